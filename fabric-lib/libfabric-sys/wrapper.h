@@ -1,0 +1,9 @@
+/* Everything bindgen sees: the public libfabric headers plus our shim's prototypes. */
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_errno.h>
+#include "shim.h"

@@ -1,0 +1,57 @@
+//! Engine addresses: what a peer needs to reach this engine, as versioned bytes.
+use serde::{Deserialize, Serialize};
+
+use crate::encoding::{decode_versioned, encode_versioned};
+use crate::error::Result;
+
+const ADDRESS_MAGIC: [u8; 4] = *b"FLEA";
+
+/// The raw endpoint name of one domain (NIC), as `fi_getname` returns it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DomainAddress(pub Vec<u8>);
+
+/// Everything needed to reach an engine: its provider and one address per domain of its device.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EngineAddress {
+    /// Provider name, e.g. `tcp;ofi_rxm`; peers must use the same provider.
+    pub provider: String,
+    /// Identifies the host (boot id), for choosing same-host paths.
+    pub host_id: String,
+    /// One address per domain of the device, in domain order.
+    pub domains: Vec<DomainAddress>,
+}
+
+impl EngineAddress {
+    /// Serializes to versioned bytes (`from_bytes` reverses it).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        encode_versioned(ADDRESS_MAGIC, self)
+    }
+
+    /// Decodes bytes from [`EngineAddress::to_bytes`]; garbage is an `InvalidDescriptor` error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let addr: EngineAddress = decode_versioned(ADDRESS_MAGIC, bytes, "engine address")?;
+        if addr.domains.is_empty() {
+            return Err(crate::FabricError::InvalidDescriptor("engine address has no domains".into()));
+        }
+        Ok(addr)
+    }
+
+    /// Lower-case hex of [`EngineAddress::to_bytes`], handy for logs and command lines.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.to_bytes())
+    }
+
+    /// Parses [`EngineAddress::to_hex`] output.
+    pub fn from_hex(text: &str) -> Result<Self> {
+        let bytes = hex::decode(text.trim())
+            .map_err(|e| crate::FabricError::InvalidDescriptor(format!("engine address is not hex: {e}")))?;
+        Self::from_bytes(&bytes)
+    }
+}
+
+/// A stable identifier of this machine's boot, so peers can tell "same host" apart.
+pub(crate) fn local_host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}

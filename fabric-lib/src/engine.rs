@@ -1,0 +1,347 @@
+//! TransferEngine: the public entry point. Validates requests on the caller's thread, routes
+//! them to the device's worker, and owns the callback thread and the ImmCounter table.
+//!
+//! Thread safety: every method takes `&self` and may be called from any thread. Callbacks run on
+//! the engine's callback thread, never on the caller's or the worker's. `stop()` (also run on
+//! drop) is idempotent: in-flight requests fail with [`FabricError::Stopped`].
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, SendTimeoutError, Sender};
+use parking_lot::{Mutex, RwLock};
+
+use crate::address::{local_host_id, DomainAddress, EngineAddress};
+use crate::callback::CallbackThread;
+use crate::config::EngineConfig;
+use crate::descriptor::{check_range, DomainKey, MemoryKind, MrDescriptor};
+use crate::error::{FabricError, Result};
+use crate::imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
+use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, WriteCommand, SCRATCH_REGION};
+
+/// A registered region of this engine, as returned by [`TransferEngine::register_memory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MrHandle(pub u64);
+
+/// One single write: `len` bytes from a local region to a peer's region, optionally with an
+/// immediate that the peer counts once the bytes are in place.
+#[derive(Clone, Copy, Debug)]
+pub struct WriteRequest<'a> {
+    pub src: MrHandle,
+    pub src_offset: u64,
+    pub len: u64,
+    pub dst: &'a MrDescriptor,
+    pub dst_offset: u64,
+    pub imm: Option<u32>,
+}
+
+#[derive(Clone, Copy)]
+struct RegionInfo {
+    len: u64,
+}
+
+/// Moves memory to and from peers; see the crate docs.
+pub struct TransferEngine {
+    config: EngineConfig,
+    address: EngineAddress,
+    domain_name: String,
+    commands: Sender<Command>,
+    regions: RwLock<HashMap<u64, RegionInfo>>,
+    next_region: AtomicU64,
+    imm: Arc<ImmCounterTable>,
+    callbacks: CallbackThread,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    stopped: AtomicBool,
+}
+
+impl TransferEngine {
+    /// Opens the configured provider and starts the worker and callback threads.
+    pub fn new(config: EngineConfig) -> Result<Self> {
+        if config.max_message_size == 0 {
+            return Err(FabricError::InvalidArgument("max_message_size must be positive".into()));
+        }
+        let imm = Arc::new(ImmCounterTable::new());
+        let callbacks = CallbackThread::spawn()
+            .map_err(|e| FabricError::InvalidArgument(format!("cannot spawn the callback thread: {e}")))?;
+        let (commands, handle, info) = match worker::spawn(&config, imm.clone(), callbacks.queue()) {
+            Ok(started) => started,
+            Err(e) => {
+                callbacks.shutdown(Duration::from_secs(1));
+                return Err(e);
+            }
+        };
+        let address = EngineAddress {
+            provider: info.provider,
+            host_id: local_host_id(),
+            domains: vec![DomainAddress(info.address)],
+        };
+        Ok(TransferEngine {
+            config,
+            address,
+            domain_name: info.domain,
+            commands,
+            regions: RwLock::new(HashMap::new()),
+            next_region: AtomicU64::new(SCRATCH_REGION + 1),
+            imm,
+            callbacks,
+            worker: Mutex::new(Some(handle)),
+            stopped: AtomicBool::new(false),
+        })
+    }
+
+    /// The address peers use to reach this engine.
+    pub fn main_address(&self) -> &EngineAddress {
+        &self.address
+    }
+
+    /// The provider in use, e.g. `tcp;ofi_rxm`.
+    pub fn provider(&self) -> &str {
+        &self.address.provider
+    }
+
+    /// The domain (NIC or interface) in use, e.g. `lo`.
+    pub fn domain_name(&self) -> &str {
+        &self.domain_name
+    }
+
+    /// The configuration the engine was built with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    fn command(&self, cmd: Command) -> Result<()> {
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(FabricError::Stopped);
+        }
+        self.commands.send_timeout(cmd, self.config.command_timeout).map_err(|e| match e {
+            SendTimeoutError::Timeout(_) => FabricError::Timeout(format!(
+                "the worker's command queue stayed full for {:?}",
+                self.config.command_timeout
+            )),
+            SendTimeoutError::Disconnected(_) => FabricError::Stopped,
+        })
+    }
+
+    fn request<T>(&self, make: impl FnOnce(Sender<Result<T>>) -> Command) -> Result<T> {
+        let (tx, rx) = bounded(1);
+        self.command(make(tx))?;
+        rx.recv_timeout(self.config.command_timeout).map_err(|_| {
+            if self.stopped.load(Ordering::Acquire) {
+                FabricError::Stopped
+            } else {
+                FabricError::Timeout(format!("the worker did not answer within {:?}", self.config.command_timeout))
+            }
+        })?
+    }
+
+    /// Registers `[ptr, ptr + len)` for local use and remote writes.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`TransferEngine::unregister_memory`] returns (or
+    /// the engine is stopped).
+    pub unsafe fn register_memory(&self, ptr: *mut u8, len: usize, kind: MemoryKind) -> Result<(MrHandle, MrDescriptor)> {
+        if ptr.is_null() {
+            return Err(FabricError::InvalidArgument("cannot register a null pointer".into()));
+        }
+        if len == 0 {
+            return Err(FabricError::InvalidArgument("cannot register an empty region".into()));
+        }
+        if (ptr as usize).checked_add(len).is_none() {
+            return Err(FabricError::InvalidArgument("region extent overflows the address space".into()));
+        }
+        if let MemoryKind::Cuda(device) = kind {
+            return Err(FabricError::ProviderUnavailable(format!(
+                "provider '{}' cannot register CUDA memory (device {device}): GPU memory needs a provider with FI_HMEM",
+                self.address.provider
+            )));
+        }
+        let region = self.next_region.fetch_add(1, Ordering::Relaxed);
+        let registered = self.request(|reply| Command::Register { region, ptr: ptr as usize, len, reply })?;
+        self.regions.write().insert(region, RegionInfo { len: len as u64 });
+        let descriptor = MrDescriptor {
+            base: ptr as u64,
+            len: len as u64,
+            kind,
+            owner: self.address.clone(),
+            keys: vec![DomainKey {
+                address: self.address.domains[0].clone(),
+                key: registered.key,
+                remote_base: registered.remote_base,
+            }],
+        };
+        Ok((MrHandle(region), descriptor))
+    }
+
+    /// Releases a registration. Fails while operations reading from it are in flight.
+    pub fn unregister_memory(&self, handle: MrHandle) -> Result<()> {
+        if !self.regions.read().contains_key(&handle.0) {
+            return Err(FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)));
+        }
+        self.request(|reply| Command::Unregister { region: handle.0, reply })?;
+        self.regions.write().remove(&handle.0);
+        Ok(())
+    }
+
+    /// Length of a local registration.
+    pub fn region_len(&self, handle: MrHandle) -> Result<u64> {
+        self.regions
+            .read()
+            .get(&handle.0)
+            .map(|r| r.len)
+            .ok_or_else(|| FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)))
+    }
+
+    fn check_peer(&self, dst: &MrDescriptor) -> Result<()> {
+        if dst.owner.provider != self.address.provider {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "descriptor belongs to a '{}' engine, this engine uses '{}'",
+                dst.owner.provider, self.address.provider
+            )));
+        }
+        if dst.keys.len() != self.address.domains.len() {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "peer has {} domains, this engine {}; all peers must use the same number",
+                dst.keys.len(),
+                self.address.domains.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Posts one write; `on_done` runs on the callback thread once the local side completed
+    /// (or failed). Bad input is rejected here and nothing is posted.
+    pub fn submit_write(&self, req: &WriteRequest<'_>, on_done: OnDone) -> Result<()> {
+        let src_len = self.region_len(req.src)?;
+        check_range("source", src_len, req.src_offset, req.len)?;
+        self.check_peer(req.dst)?;
+        req.dst.check_range(req.dst_offset, req.len)?;
+        let key = &req.dst.keys[0];
+        self.command(Command::Write(WriteCommand {
+            region: req.src.0,
+            src_offset: req.src_offset as usize,
+            len: req.len as usize,
+            peer: key.address.0.clone(),
+            remote_addr: key.remote_base + req.dst_offset,
+            key: key.key,
+            imm: req.imm,
+            on_done,
+        }))
+    }
+
+    /// Sends only an immediate (a zero-byte write into `dst`).
+    pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
+        self.check_peer(dst)?;
+        let key = &dst.keys[0];
+        self.command(Command::Write(WriteCommand {
+            region: SCRATCH_REGION,
+            src_offset: 0,
+            len: 0,
+            peer: key.address.0.clone(),
+            remote_addr: key.remote_base,
+            key: key.key,
+            imm: Some(imm),
+            on_done,
+        }))
+    }
+
+    /// Sends a small two-sided message (at most `max_message_size` bytes) to `peer`, whose
+    /// receive callback gets the bytes.
+    pub fn submit_send(&self, peer: &EngineAddress, data: Vec<u8>, on_done: OnDone) -> Result<()> {
+        if peer.provider != self.address.provider {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "peer uses provider '{}', this engine '{}'",
+                peer.provider, self.address.provider
+            )));
+        }
+        if data.len() > self.config.max_message_size {
+            return Err(FabricError::InvalidArgument(format!(
+                "message of {} bytes exceeds max_message_size ({})",
+                data.len(),
+                self.config.max_message_size
+            )));
+        }
+        self.command(Command::Send(SendCommand { peer: peer.domains[0].0.clone(), data, on_done }))
+    }
+
+    /// Installs the callback for received messages (`None` keeps messages until one is set).
+    pub fn set_recv_callback(&self, callback: Option<RecvCallback>) -> Result<()> {
+        self.command(Command::SetRecvCallback(callback))
+    }
+
+    /// Calls `on_reached` once `imm` has arrived `n` times (arrivals so far count).
+    pub fn set_imm_count_expected(&self, imm: u32, n: u64, on_reached: OnReached) -> Result<()> {
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(FabricError::Stopped);
+        }
+        if let Some(due) = self.imm.set_expected(imm, n, on_reached)? {
+            self.callbacks.queue().push(due);
+        }
+        Ok(())
+    }
+
+    /// Cancels the expectation on `imm` (unfired) and forgets its count, returning the count.
+    pub fn remove_imm_count(&self, imm: u32) -> u64 {
+        self.imm.remove(imm)
+    }
+
+    /// Arrivals of `imm` counted and not yet consumed.
+    pub fn imm_count(&self, imm: u32) -> u64 {
+        self.imm.value(imm)
+    }
+
+    /// Blocks until `imm` has arrived `n` times, then consumes them; errors after `timeout`.
+    pub fn wait_imm_count(&self, imm: u32, n: u64, timeout: Duration) -> Result<()> {
+        self.imm.wait(imm, n, timeout)
+    }
+
+    /// Counts `imm` even while a generic immediate callback is installed.
+    pub fn claim_imm(&self, imm: u32) {
+        self.imm.claim(imm)
+    }
+
+    /// Undoes [`TransferEngine::claim_imm`].
+    pub fn unclaim_imm(&self, imm: u32) {
+        self.imm.unclaim(imm)
+    }
+
+    /// Installs the callback for immediates nobody expects or waits for.
+    pub fn set_imm_callback(&self, callback: Option<GenericImmCallback>) {
+        self.imm.set_generic_callback(callback)
+    }
+
+    /// Whether [`TransferEngine::stop`] has run.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    /// Stops the worker (failing what is in flight), then the callback thread. Idempotent;
+    /// bounded by the command timeout.
+    pub fn stop(&self) {
+        if self.stopped.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let timeout = self.config.command_timeout;
+        let _ = self.commands.send_timeout(Command::Stop, timeout);
+        if let Some(handle) = self.worker.lock().take() {
+            let deadline = Instant::now() + timeout;
+            while !handle.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if handle.is_finished() {
+                let _ = handle.join();
+            } else {
+                tracing::warn!("worker did not stop within {timeout:?}; detaching it");
+            }
+        }
+        self.imm.close();
+        self.callbacks.shutdown(timeout);
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

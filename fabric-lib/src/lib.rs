@@ -1,0 +1,31 @@
+//! fabric-lib: a TransferEngine for point-to-point RDMA in LLM systems.
+//!
+//! One-sided WRITE and WRITEIMM (write + 32-bit immediate) and small two-sided messages over any
+//! libfabric RDM provider (`efa`, `verbs;ofi_rxm`, and the software `tcp`, `udp;ofi_rxd`, `shm`).
+//! No ordering is assumed between any two operations: receivers learn completion by counting
+//! immediates ([`ImmCounterTable`]).
+//!
+//! Threads: per device, one worker that solely owns its domain (no locks on the data path); one
+//! callback thread per engine on which every user callback runs. Resources (registrations,
+//! endpoints, threads) are released by [`TransferEngine::stop`] or on drop.
+pub mod address;
+pub mod callback;
+pub mod config;
+pub mod descriptor;
+mod encoding;
+pub mod engine;
+pub mod error;
+pub mod imm_counter;
+mod msg_buffers;
+pub mod provider;
+mod worker;
+
+pub use address::{DomainAddress, EngineAddress};
+pub use config::{EngineConfig, PollMode};
+pub use descriptor::{DomainKey, MemoryKind, MrDescriptor};
+pub use encoding::ENCODING_VERSION;
+pub use engine::{MrHandle, TransferEngine, WriteRequest};
+pub use error::{FabricError, Result};
+pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
+pub use provider::libfabric::{list_providers, ProviderSpec};
+pub use worker::{OnDone, RecvCallback};

@@ -1,0 +1,286 @@
+//! One open libfabric domain: fabric, domain, completion queue, address vector and one RDM
+//! endpoint, with the data-path calls the worker needs.
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr;
+use std::rc::Rc;
+
+use libfabric_sys as sys;
+
+use super::context::OpContext;
+use super::info::{resolve, FabricInfo, ProviderSpec};
+use super::mr::LocalMr;
+use crate::error::{FabricError, Result};
+
+/// Completion entries read per `fi_cq_read` call.
+pub const CQ_BATCH: usize = 32;
+
+/// The libfabric objects of one domain, closed in reverse order of opening.
+pub struct DomainFids {
+    fabric: *mut sys::fid_fabric,
+    pub(super) domain: *mut sys::fid_domain,
+    cq: *mut sys::fid_cq,
+    av: *mut sys::fid_av,
+    pub(super) ep: *mut sys::fid_ep,
+}
+
+impl Drop for DomainFids {
+    fn drop(&mut self) {
+        // SAFETY: each non-null fid was opened by us and is closed once, endpoint first.
+        unsafe {
+            for fid in [
+                self.ep as *mut sys::fid,
+                self.av as *mut sys::fid,
+                self.cq as *mut sys::fid,
+                self.domain as *mut sys::fid,
+                self.fabric as *mut sys::fid,
+            ] {
+                if !fid.is_null() {
+                    let ret = sys::shim_fi_close(fid);
+                    if ret != 0 {
+                        tracing::warn!("fi_close returned {ret}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A completion read from the CQ.
+#[derive(Debug)]
+pub enum Completion {
+    /// A local operation (write, send, or a receive) finished.
+    Done { context: *mut OpContext, len: usize },
+    /// A remote write with an immediate landed here. `context` is a consumed receive when the
+    /// provider needs FI_RX_CQ_DATA, else null.
+    RemoteImm { imm: u32, context: *mut OpContext },
+    /// An operation failed.
+    Failed { context: *mut OpContext, message: String },
+}
+
+/// Outcome of posting one operation.
+#[derive(Debug)]
+pub enum Posted {
+    Ok,
+    /// The provider's queue is full: progress completions and post again.
+    Again,
+}
+
+/// One libfabric domain with its endpoint, owned by a single thread.
+pub struct LibfabricDomain {
+    info: FabricInfo,
+    fids: Rc<DomainFids>,
+    address: Vec<u8>,
+    peers: HashMap<Vec<u8>, sys::fi_addr_t>,
+    next_key: u64,
+    entries: Vec<sys::fi_cq_data_entry>,
+}
+
+fn check(call: &'static str, ret: i32) -> Result<()> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(FabricError::libfabric(call, ret.into()))
+    }
+}
+
+impl LibfabricDomain {
+    /// Opens the domain named by `spec` and enables one endpoint on it.
+    pub fn open(spec: &ProviderSpec) -> Result<Self> {
+        let info = resolve(spec)?;
+        let mut fids =
+            DomainFids { fabric: ptr::null_mut(), domain: ptr::null_mut(), cq: ptr::null_mut(), av: ptr::null_mut(), ep: ptr::null_mut() };
+        // SAFETY: each call gets attributes from a valid fi_info and out-pointers we own; on any
+        // failure `fids` closes whatever was opened so far.
+        unsafe {
+            let raw = info.raw();
+            check("fi_fabric", sys::shim_fi_fabric((*raw).fabric_attr, &mut fids.fabric, ptr::null_mut()))?;
+            check("fi_domain", sys::shim_fi_domain(fids.fabric, raw, &mut fids.domain, ptr::null_mut()))?;
+            let mut cq_attr = sys::fi_cq_attr {
+                size: info.tx_size() + info.rx_size(),
+                format: sys::FI_CQ_FORMAT_DATA,
+                wait_obj: sys::FI_WAIT_NONE,
+                ..Default::default()
+            };
+            check("fi_cq_open", sys::shim_fi_cq_open(fids.domain, &mut cq_attr, &mut fids.cq, ptr::null_mut()))?;
+            let mut av_attr = sys::fi_av_attr { type_: sys::FI_AV_TABLE, ..Default::default() };
+            check("fi_av_open", sys::shim_fi_av_open(fids.domain, &mut av_attr, &mut fids.av, ptr::null_mut()))?;
+            check("fi_endpoint", sys::shim_fi_endpoint(fids.domain, raw, &mut fids.ep, ptr::null_mut()))?;
+            check("fi_ep_bind(cq)", sys::shim_fi_ep_bind(fids.ep, &mut (*fids.cq).fid, (sys::FI_TRANSMIT | sys::FI_RECV) as u64))?;
+            check("fi_ep_bind(av)", sys::shim_fi_ep_bind(fids.ep, &mut (*fids.av).fid, 0))?;
+            check("fi_enable", sys::shim_fi_enable(fids.ep))?;
+        }
+        let mut name = vec![0u8; 256];
+        let mut len = name.len();
+        // SAFETY: ep is enabled; name has `len` writable bytes and fi_getname updates len.
+        let ret = unsafe { sys::shim_fi_getname(&mut (*fids.ep).fid, name.as_mut_ptr() as *mut c_void, &mut len) };
+        check("fi_getname", ret)?;
+        name.truncate(len);
+        tracing::debug!(provider = %info.provider_name(), domain = %info.domain_name(), "opened libfabric domain");
+        Ok(LibfabricDomain {
+            info,
+            fids: Rc::new(fids),
+            address: name,
+            peers: HashMap::new(),
+            next_key: 1,
+            entries: vec![sys::fi_cq_data_entry::default(); CQ_BATCH],
+        })
+    }
+
+    /// This endpoint's address (`fi_getname`).
+    pub fn address(&self) -> &[u8] {
+        &self.address
+    }
+
+    /// Provider name, e.g. `tcp;ofi_rxm`.
+    pub fn provider_name(&self) -> String {
+        self.info.provider_name()
+    }
+
+    /// Domain name, e.g. `lo`.
+    pub fn domain_name(&self) -> String {
+        self.info.domain_name()
+    }
+
+    /// Whether receives are consumed by remote writes carrying CQ data (FI_RX_CQ_DATA mode).
+    pub fn imm_consumes_recv(&self) -> bool {
+        self.info.mode() & sys::FI_RX_CQ_DATA != 0
+    }
+
+    /// Largest single message the endpoint accepts.
+    pub fn max_msg_size(&self) -> usize {
+        self.info.max_msg_size()
+    }
+
+    /// Registers memory on this domain, honouring the provider's mr_mode.
+    pub fn register(&mut self, ptr: *mut u8, len: usize) -> Result<LocalMr> {
+        let key = self.next_key;
+        self.next_key += 1;
+        LocalMr::register(&self.fids, ptr, len, key, self.info.mr_mode())
+    }
+
+    /// Maps a peer's endpoint address to an `fi_addr_t`, inserting it on first use.
+    pub fn resolve_peer(&mut self, address: &[u8]) -> Result<sys::fi_addr_t> {
+        if let Some(a) = self.peers.get(address) {
+            return Ok(*a);
+        }
+        let mut fi_addr: sys::fi_addr_t = 0;
+        // SAFETY: av is open; address holds one raw endpoint name of this provider's format.
+        let ret = unsafe {
+            sys::shim_fi_av_insert(self.fids.av, address.as_ptr() as *const c_void, 1, &mut fi_addr, 0, ptr::null_mut())
+        };
+        if ret != 1 {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "fi_av_insert rejected the peer address ({} bytes, returned {ret})",
+                address.len()
+            )));
+        }
+        self.peers.insert(address.to_vec(), fi_addr);
+        Ok(fi_addr)
+    }
+
+    fn posted(call: &'static str, ret: isize) -> Result<Posted> {
+        match ret {
+            0 => Ok(Posted::Ok),
+            r if r == -(sys::FI_EAGAIN as isize) => Ok(Posted::Again),
+            r => Err(FabricError::libfabric(call, r as i64)),
+        }
+    }
+
+    /// Posts one RMA write (with an immediate when `imm` is set).
+    ///
+    /// # Safety
+    /// `local` must stay valid and registered (with `desc`) until the completion of `context`
+    /// is read; `context` must stay at its address until then.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn post_write(
+        &mut self,
+        local: *const u8,
+        len: usize,
+        desc: *mut c_void,
+        dest: sys::fi_addr_t,
+        remote_addr: u64,
+        key: u64,
+        imm: Option<u32>,
+        context: *mut OpContext,
+    ) -> Result<Posted> {
+        // SAFETY: forwarded from the caller's contract; ep is enabled.
+        let ret = unsafe {
+            match imm {
+                Some(data) => sys::shim_fi_writedata(
+                    self.fids.ep, local as *const c_void, len, desc, data as u64, dest, remote_addr, key, context as *mut c_void,
+                ),
+                None => sys::shim_fi_write(self.fids.ep, local as *const c_void, len, desc, dest, remote_addr, key, context as *mut c_void),
+            }
+        };
+        Self::posted("fi_writedata", ret)
+    }
+
+    /// Posts one two-sided send.
+    ///
+    /// # Safety
+    /// As for [`LibfabricDomain::post_write`].
+    pub unsafe fn post_send(
+        &mut self,
+        local: *const u8,
+        len: usize,
+        desc: *mut c_void,
+        dest: sys::fi_addr_t,
+        context: *mut OpContext,
+    ) -> Result<Posted> {
+        // SAFETY: forwarded from the caller's contract.
+        let ret = unsafe { sys::shim_fi_send(self.fids.ep, local as *const c_void, len, desc, dest, context as *mut c_void) };
+        Self::posted("fi_send", ret)
+    }
+
+    /// Posts one receive buffer for messages from any peer.
+    ///
+    /// # Safety
+    /// As for [`LibfabricDomain::post_write`], with `buf` writable.
+    pub unsafe fn post_recv(&mut self, buf: *mut u8, len: usize, desc: *mut c_void, context: *mut OpContext) -> Result<Posted> {
+        // SAFETY: forwarded from the caller's contract.
+        let ret = unsafe {
+            sys::shim_fi_recv(self.fids.ep, buf as *mut c_void, len, desc, libfabric_sys::FI_ADDR_UNSPEC_VALUE, context as *mut c_void)
+        };
+        Self::posted("fi_recv", ret)
+    }
+
+    /// Reads up to [`CQ_BATCH`] completions (this is also what drives manual progress).
+    pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        // SAFETY: entries has CQ_BATCH slots of the FI_CQ_FORMAT_DATA layout the CQ was opened with.
+        let ret = unsafe { sys::shim_fi_cq_read(self.fids.cq, self.entries.as_mut_ptr() as *mut c_void, CQ_BATCH) };
+        if ret > 0 {
+            for e in &self.entries[..ret as usize] {
+                let context = e.op_context as *mut OpContext;
+                // We never send messages with CQ data, so remote CQ data always means a WRITEIMM.
+                if e.flags & sys::FI_REMOTE_CQ_DATA as u64 != 0 {
+                    out.push(Completion::RemoteImm { imm: e.data as u32, context });
+                } else {
+                    out.push(Completion::Done { context, len: e.len });
+                }
+            }
+            return Ok(ret as usize);
+        }
+        if ret == -(sys::FI_EAGAIN as isize) {
+            return Ok(0);
+        }
+        if ret == -(sys::FI_EAVAIL as isize) {
+            let mut err = sys::fi_cq_err_entry::default();
+            // SAFETY: an error entry is available; err is a valid out-struct.
+            let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut err, 0) };
+            if r < 0 {
+                return Err(FabricError::libfabric("fi_cq_readerr", r as i64));
+            }
+            let mut buf = [0 as std::os::raw::c_char; 256];
+            // SAFETY: cq is open; err came from it; buf has 256 bytes.
+            let text = unsafe {
+                let p = sys::shim_fi_cq_strerror(self.fids.cq, err.prov_errno, err.err_data, buf.as_mut_ptr(), buf.len());
+                if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() }
+            };
+            let message = format!("{} (provider: {text})", super::strerror(err.err));
+            out.push(Completion::Failed { context: err.op_context as *mut OpContext, message });
+            return Ok(1);
+        }
+        Err(FabricError::libfabric("fi_cq_read", ret as i64))
+    }
+}

@@ -1,0 +1,218 @@
+//! Choosing a provider and domain: builds the hints and picks one `fi_info`.
+use std::ffi::{CStr, CString};
+use std::ptr;
+
+use libfabric_sys as sys;
+
+use crate::error::{FabricError, Result};
+
+/// RDMA providers tried, in order, when none is named.
+const HARDWARE_PROVIDERS: [&str; 2] = ["efa", "verbs;ofi_rxm"];
+/// Interface used by software providers when none is named: loopback.
+const SOFTWARE_DEFAULT_DOMAIN: &str = "lo";
+
+/// Which provider and domain an engine should open.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProviderSpec {
+    /// Provider name as `fi_info -l` prints it (`tcp`, `udp;ofi_rxd`, `shm`, `efa`, ...);
+    /// `None` picks an RDMA provider when one exists, else `tcp` on loopback.
+    pub provider: Option<String>,
+    /// Domain name (NIC or interface, e.g. `lo`, `rdmap0s6-rdm`); `None` picks the first
+    /// (loopback for software providers).
+    pub domain: Option<String>,
+}
+
+/// An owned `fi_info` (one entry, freed on drop).
+pub struct FabricInfo(*mut sys::fi_info);
+
+impl Drop for FabricInfo {
+    fn drop(&mut self) {
+        // SAFETY: self.0 came from fi_dupinfo and is freed exactly once here.
+        unsafe { sys::fi_freeinfo(self.0) }
+    }
+}
+
+impl FabricInfo {
+    pub fn raw(&self) -> *mut sys::fi_info {
+        self.0
+    }
+
+    fn get(&self) -> &sys::fi_info {
+        // SAFETY: non-null (checked at construction) and owned by self.
+        unsafe { &*self.0 }
+    }
+
+    /// The provider's name, e.g. `tcp;ofi_rxm`.
+    pub fn provider_name(&self) -> String {
+        // SAFETY: fabric_attr of a returned fi_info is non-null; prov_name is NUL-terminated.
+        unsafe { cstr_or_empty((*self.get().fabric_attr).prov_name) }
+    }
+
+    /// The domain's name (the NIC or interface).
+    pub fn domain_name(&self) -> String {
+        // SAFETY: as above, domain_attr is non-null for returned entries.
+        unsafe { cstr_or_empty((*self.get().domain_attr).name) }
+    }
+
+    pub fn mr_mode(&self) -> u64 {
+        // SAFETY: domain_attr is non-null for returned entries.
+        unsafe { (*self.get().domain_attr).mr_mode as u64 }
+    }
+
+    pub fn mode(&self) -> u64 {
+        self.get().mode
+    }
+
+    pub fn cq_data_size(&self) -> usize {
+        // SAFETY: domain_attr is non-null for returned entries.
+        unsafe { (*self.get().domain_attr).cq_data_size }
+    }
+
+    pub fn max_msg_size(&self) -> usize {
+        // SAFETY: ep_attr is non-null for returned entries.
+        unsafe { (*self.get().ep_attr).max_msg_size }
+    }
+
+    pub fn tx_size(&self) -> usize {
+        // SAFETY: tx_attr is non-null for returned entries.
+        unsafe { (*self.get().tx_attr).size }
+    }
+
+    pub fn rx_size(&self) -> usize {
+        // SAFETY: rx_attr is non-null for returned entries.
+        unsafe { (*self.get().rx_attr).size }
+    }
+}
+
+/// # Safety
+/// `p` must be null or point to a NUL-terminated string.
+unsafe fn cstr_or_empty(p: *const std::os::raw::c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        // SAFETY: guaranteed by the caller.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Requested API version: 1.17, the oldest we test with.
+const API_VERSION: u32 = sys::fi_version(1, 17);
+
+/// Runs `fi_getinfo` for RDM endpoints with RMA + MSG + remote CQ data, optionally for one
+/// provider; returns every match as (provider, domain, info).
+fn query(provider: Option<&str>) -> Result<Vec<FabricInfo>> {
+    // SAFETY: fi_allocinfo returns a zeroed fi_info with allocated sub-attributes (or null).
+    let hints = unsafe { sys::shim_fi_allocinfo() };
+    if hints.is_null() {
+        return Err(FabricError::ProviderUnavailable("fi_allocinfo returned null".into()));
+    }
+    // SAFETY: hints and its attribute structs were allocated by fi_allocinfo; strings we store
+    // are strdup'ed so fi_freeinfo can free them.
+    let mut list: *mut sys::fi_info = ptr::null_mut();
+    let ret = unsafe {
+        let h = &mut *hints;
+        h.caps = (sys::FI_MSG | sys::FI_RMA) as u64;
+        h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2 | sys::FI_RX_CQ_DATA;
+        (*h.ep_attr).type_ = sys::FI_EP_RDM;
+        let d = &mut *h.domain_attr;
+        d.mr_mode = (sys::FI_MR_LOCAL
+            | sys::FI_MR_VIRT_ADDR
+            | sys::FI_MR_ALLOCATED
+            | sys::FI_MR_PROV_KEY
+            | sys::FI_MR_ENDPOINT) as i32;
+        d.threading = sys::FI_THREAD_DOMAIN;
+        if let Some(name) = provider {
+            let c = CString::new(name).map_err(|_| FabricError::InvalidArgument("provider name has a NUL".into()))?;
+            (*h.fabric_attr).prov_name = libc_strdup(&c);
+        }
+        let ret = sys::fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, hints, &mut list);
+        sys::fi_freeinfo(hints);
+        ret
+    };
+    if ret != 0 || list.is_null() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    let mut cur = list;
+    while !cur.is_null() {
+        // SAFETY: cur walks the list returned by fi_getinfo; fi_dupinfo copies one entry (its
+        // `next` is not followed by the copy).
+        unsafe {
+            let next = (*cur).next;
+            (*cur).next = ptr::null_mut();
+            let dup = sys::fi_dupinfo(cur);
+            (*cur).next = next;
+            if !dup.is_null() {
+                out.push(FabricInfo(dup));
+            }
+            cur = next;
+        }
+    }
+    // SAFETY: list came from fi_getinfo and is freed once; the copies are independent.
+    unsafe { sys::fi_freeinfo(list) };
+    Ok(out.into_iter().filter(|i| i.cq_data_size() >= 4).collect())
+}
+
+/// `strdup` with the C allocator, as libfabric frees attribute strings with `free`.
+///
+/// # Safety
+/// The returned pointer must be freed with `free` (fi_freeinfo does).
+unsafe fn libc_strdup(s: &CString) -> *mut std::os::raw::c_char {
+    extern "C" {
+        fn strdup(s: *const std::os::raw::c_char) -> *mut std::os::raw::c_char;
+    }
+    // SAFETY: s is NUL-terminated.
+    unsafe { strdup(s.as_ptr()) }
+}
+
+/// Lists the (provider, domain) pairs usable by an engine on this machine.
+pub fn list_providers() -> Vec<(String, String)> {
+    query(None)
+        .unwrap_or_default()
+        .iter()
+        .map(|i| (i.provider_name(), i.domain_name()))
+        .collect()
+}
+
+fn is_software(provider: &str) -> bool {
+    ["tcp", "udp", "sockets"].iter().any(|p| provider.starts_with(p))
+}
+
+/// Resolves a [`ProviderSpec`] to exactly one `fi_info`.
+pub fn resolve(spec: &ProviderSpec) -> Result<FabricInfo> {
+    let provider = match &spec.provider {
+        Some(p) => p.clone(),
+        None => {
+            let found = query(None)?;
+            HARDWARE_PROVIDERS
+                .iter()
+                .find(|hw| found.iter().any(|i| i.provider_name() == **hw))
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "tcp".to_string())
+        }
+    };
+    let candidates = query(Some(&provider))?;
+    if candidates.is_empty() {
+        let available: Vec<String> = list_providers().into_iter().map(|(p, _)| p).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        return Err(FabricError::ProviderUnavailable(format!(
+            "no libfabric provider '{provider}' offers RDM endpoints with RMA, messages and remote CQ data here (available: {})",
+            if available.is_empty() { "none".to_string() } else { available.join(", ") }
+        )));
+    }
+    let wanted_domain = spec
+        .domain
+        .clone()
+        .or_else(|| is_software(&provider).then(|| SOFTWARE_DEFAULT_DOMAIN.to_string()));
+    let domains: Vec<String> = candidates.iter().map(|i| i.domain_name()).collect();
+    let pick = match &wanted_domain {
+        Some(d) => candidates.into_iter().find(|i| &i.domain_name() == d),
+        None => candidates.into_iter().next(),
+    };
+    pick.ok_or_else(|| {
+        FabricError::ProviderUnavailable(format!(
+            "provider '{provider}' has no domain '{}' (domains: {})",
+            wanted_domain.unwrap_or_default(),
+            domains.join(", ")
+        ))
+    })
+}

@@ -1,0 +1,91 @@
+//! Memory registration on one libfabric domain.
+use std::ptr;
+use std::rc::Rc;
+
+use libfabric_sys as sys;
+
+use super::domain::DomainFids;
+use crate::error::{FabricError, Result};
+
+/// A region registered on one domain. Holds its domain alive, and is closed before it.
+pub struct LocalMr {
+    mr: *mut sys::fid_mr,
+    desc: *mut std::ffi::c_void,
+    key: u64,
+    remote_base: u64,
+    _domain: Rc<DomainFids>,
+}
+
+impl LocalMr {
+    /// Registers `[ptr, ptr+len)` for local and remote read/write and for messages.
+    pub(super) fn register(
+        fids: &Rc<DomainFids>,
+        ptr: *mut u8,
+        len: usize,
+        requested_key: u64,
+        mr_mode: u64,
+    ) -> Result<Self> {
+        let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
+        let mut mr: *mut sys::fid_mr = ptr::null_mut();
+        // SAFETY: domain is open; the caller guarantees ptr/len describe memory that stays valid
+        // while registered.
+        let ret = unsafe {
+            sys::shim_fi_mr_reg(fids.domain, ptr as *const _, len, access, 0, requested_key, 0, &mut mr, ptr::null_mut())
+        };
+        if ret != 0 {
+            return Err(FabricError::libfabric("fi_mr_reg", ret.into()));
+        }
+        let mut this = LocalMr { mr, desc: ptr::null_mut(), key: 0, remote_base: 0, _domain: fids.clone() };
+        if mr_mode & sys::FI_MR_ENDPOINT as u64 != 0 {
+            // SAFETY: mr and ep are open objects of the same domain.
+            let ret = unsafe { sys::shim_fi_mr_bind(mr, &mut (*fids.ep).fid, 0) };
+            if ret != 0 {
+                return Err(FabricError::libfabric("fi_mr_bind", ret.into()));
+            }
+            // SAFETY: mr was just bound.
+            let ret = unsafe { sys::shim_fi_mr_enable(mr) };
+            if ret != 0 {
+                return Err(FabricError::libfabric("fi_mr_enable", ret.into()));
+            }
+        }
+        // SAFETY: mr is a valid, enabled registration.
+        let (desc, key) = unsafe { (sys::shim_fi_mr_desc(mr), sys::shim_fi_mr_key(mr)) };
+        if key == u64::MAX {
+            // FI_KEY_NOTAVAIL
+            return Err(FabricError::Libfabric { call: "fi_mr_key", code: 0, message: "key not available".into() });
+        }
+        let remote_base = if mr_mode & sys::FI_MR_VIRT_ADDR as u64 != 0 { ptr as u64 } else { 0 };
+        this.desc = desc;
+        this.key = key;
+        this.remote_base = remote_base;
+        Ok(this)
+    }
+
+    /// The local descriptor for data-path calls (may be null where FI_MR_LOCAL is off).
+    pub fn desc(&self) -> *mut std::ffi::c_void {
+        self.desc
+    }
+
+    /// The remote key peers use.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+
+    /// The remote address of byte 0 (its virtual address, or 0 for offset addressing).
+    pub fn remote_base(&self) -> u64 {
+        self.remote_base
+    }
+}
+
+impl Drop for LocalMr {
+    fn drop(&mut self) {
+        if self.mr.is_null() {
+            return;
+        }
+        // SAFETY: mr is a registration we own; closed exactly once, before its domain (we hold it).
+        let ret = unsafe { sys::shim_fi_close(&mut (*self.mr).fid) };
+        if ret != 0 {
+            tracing::warn!("fi_close(mr) returned {ret}");
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! Turning Python callables into Rust callbacks that run on the engine's callback thread.
+//! Each attaches to the interpreter only while it is alive, and logs (never propagates) errors.
+use std::sync::Arc;
+
+use fabric_lib::{GenericImmCallback, OnDone, OnReached, RecvCallback};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::to_pyerr;
+
+/// Logs an exception raised by a user callback on the `fabric_lib` logger.
+fn log_callback_error(py: Python<'_>, err: PyErr) {
+    let logged = (|| -> PyResult<()> {
+        let logger = py.import("logging")?.call_method1("getLogger", ("fabric_lib",))?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("exc_info", err.value(py))?;
+        logger.call_method("error", ("exception in a fabric_lib callback: %r", err.value(py)), Some(&kwargs))?;
+        Ok(())
+    })();
+    if logged.is_err() {
+        err.print(py);
+    }
+}
+
+fn call_logged(callback: &Py<PyAny>, make_args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>) {
+    let _ = Python::try_attach(|py| {
+        let result = make_args(py).and_then(|args| callback.bind(py).call1(args));
+        if let Err(err) = result {
+            log_callback_error(py, err);
+        }
+    });
+}
+
+/// `callback(error_or_None)` once a request finishes.
+pub fn on_done(callback: Py<PyAny>) -> OnDone {
+    Box::new(move |result| {
+        call_logged(&callback, |py| {
+            let arg: Option<Py<PyAny>> = result.err().map(|e| to_pyerr(py, e).into_value(py).into_any());
+            pyo3::types::PyTuple::new(py, [arg])
+        })
+    })
+}
+
+/// `callback()` once an expected immediate count is reached.
+pub fn on_reached(callback: Py<PyAny>) -> OnReached {
+    Box::new(move || call_logged(&callback, |py| Ok(pyo3::types::PyTuple::empty(py))))
+}
+
+/// `callback(imm)` for unclaimed immediates.
+pub fn on_imm(callback: Py<PyAny>) -> GenericImmCallback {
+    Arc::new(move |imm| call_logged(&callback, |py| pyo3::types::PyTuple::new(py, [imm])))
+}
+
+/// `callback(data: bytes)` for every received message.
+pub fn on_recv(callback: Py<PyAny>) -> RecvCallback {
+    Arc::new(move |data: Vec<u8>| call_logged(&callback, |py| pyo3::types::PyTuple::new(py, [PyBytes::new(py, &data)])))
+}

@@ -1,0 +1,171 @@
+//! The `TransferEngine` Python class: converts arguments, releases the GIL around anything that
+//! blocks, and forwards to `fabric_lib::TransferEngine`.
+use std::time::Duration;
+
+use fabric_lib::{EngineConfig, MemoryKind, MrHandle, PollMode, ProviderSpec, TransferEngine, WriteRequest};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::callbacks;
+use crate::errors::IntoPyResult;
+use crate::values::{PyEngineAddress, PyMrDescriptor};
+
+fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
+    if !(seconds.is_finite() && seconds >= 0.0) {
+        return Err(PyValueError::new_err(format!("{what} must be a finite, non-negative number of seconds")));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Native engine; use `fabric_lib.TransferEngine`, which wraps it.
+#[pyclass(name = "TransferEngine", module = "fabric_lib._rust", frozen)]
+pub struct PyTransferEngine {
+    engine: TransferEngine,
+}
+
+#[pymethods]
+impl PyTransferEngine {
+    #[new]
+    #[pyo3(signature = (provider=None, domain=None, worker_cpu=None, poll_mode="busy", transfer_timeout=30.0,
+                        command_timeout=10.0, max_message_size=65536, recv_buffers=64, send_buffers=64))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        provider: Option<String>,
+        domain: Option<String>,
+        worker_cpu: Option<usize>,
+        poll_mode: &str,
+        transfer_timeout: f64,
+        command_timeout: f64,
+        max_message_size: usize,
+        recv_buffers: usize,
+        send_buffers: usize,
+    ) -> PyResult<Self> {
+        let poll_mode = match poll_mode {
+            "busy" => PollMode::Busy,
+            "adaptive" => PollMode::ADAPTIVE,
+            other => return Err(PyValueError::new_err(format!("poll_mode must be 'busy' or 'adaptive', not {other:?}"))),
+        };
+        let config = EngineConfig {
+            provider: ProviderSpec { provider, domain },
+            worker_cpu,
+            poll_mode,
+            transfer_timeout: duration(transfer_timeout, "transfer_timeout")?,
+            command_timeout: duration(command_timeout, "command_timeout")?,
+            max_message_size,
+            recv_buffers,
+            send_buffers,
+            ..EngineConfig::default()
+        };
+        let engine = py.detach(|| TransferEngine::new(config)).py(py)?;
+        Ok(PyTransferEngine { engine })
+    }
+
+    fn main_address(&self) -> PyEngineAddress {
+        PyEngineAddress(self.engine.main_address().clone())
+    }
+
+    #[getter]
+    fn provider(&self) -> String {
+        self.engine.provider().to_string()
+    }
+
+    #[getter]
+    fn domain_name(&self) -> String {
+        self.engine.domain_name().to_string()
+    }
+
+    #[getter]
+    fn max_message_size(&self) -> usize {
+        self.engine.config().max_message_size
+    }
+
+    /// Registers host memory at `ptr`; the caller keeps it alive until unregistered.
+    fn register_memory(&self, py: Python<'_>, ptr: usize, length: usize) -> PyResult<(u64, PyMrDescriptor)> {
+        // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
+        // registration exists; raw-pointer callers accept that contract in the docs.
+        let (handle, desc) =
+            py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, MemoryKind::Host) }).py(py)?;
+        Ok((handle.0, PyMrDescriptor(desc)))
+    }
+
+    fn unregister_memory(&self, py: Python<'_>, handle: u64) -> PyResult<()> {
+        py.detach(|| self.engine.unregister_memory(MrHandle(handle))).py(py)
+    }
+
+    #[pyo3(signature = (src, src_offset, length, dst, dst_offset, imm, callback))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_write(
+        &self,
+        py: Python<'_>,
+        src: u64,
+        src_offset: u64,
+        length: u64,
+        dst: PyRef<'_, PyMrDescriptor>,
+        dst_offset: u64,
+        imm: Option<u32>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let dst = &dst.0;
+        let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_write(&req, on_done)).py(py)
+    }
+
+    fn submit_imm(&self, py: Python<'_>, imm: u32, dst: PyRef<'_, PyMrDescriptor>, callback: Py<PyAny>) -> PyResult<()> {
+        let dst = &dst.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_imm(imm, dst, on_done)).py(py)
+    }
+
+    fn submit_send(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>, data: Vec<u8>, callback: Py<PyAny>) -> PyResult<()> {
+        let peer = &peer.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_send(peer, data, on_done)).py(py)
+    }
+
+    #[pyo3(signature = (callback=None))]
+    fn set_recv_callback(&self, py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()> {
+        let cb = callback.map(callbacks::on_recv);
+        py.detach(|| self.engine.set_recv_callback(cb)).py(py)
+    }
+
+    fn set_imm_count_expected(&self, py: Python<'_>, imm: u32, count: u64, callback: Py<PyAny>) -> PyResult<()> {
+        self.engine.set_imm_count_expected(imm, count, callbacks::on_reached(callback)).py(py)
+    }
+
+    fn remove_imm_count(&self, imm: u32) -> u64 {
+        self.engine.remove_imm_count(imm)
+    }
+
+    fn imm_count(&self, imm: u32) -> u64 {
+        self.engine.imm_count(imm)
+    }
+
+    fn wait_imm_count(&self, py: Python<'_>, imm: u32, count: u64, timeout: f64) -> PyResult<()> {
+        let timeout = duration(timeout, "timeout")?;
+        py.detach(|| self.engine.wait_imm_count(imm, count, timeout)).py(py)
+    }
+
+    fn claim_imm(&self, imm: u32) {
+        self.engine.claim_imm(imm)
+    }
+
+    fn unclaim_imm(&self, imm: u32) {
+        self.engine.unclaim_imm(imm)
+    }
+
+    #[pyo3(signature = (callback=None))]
+    fn set_imm_callback(&self, callback: Option<Py<PyAny>>) {
+        self.engine.set_imm_callback(callback.map(callbacks::on_imm))
+    }
+
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.engine.stop())
+    }
+
+    #[getter]
+    fn stopped(&self) -> bool {
+        self.engine.is_stopped()
+    }
+}

@@ -1,0 +1,28 @@
+//! `fabric_lib._rust`: PyO3 bindings of fabric-lib. Only argument conversion, GIL release and
+//! error mapping live here; the logic is in the `fabric-lib` crate.
+use pyo3::prelude::*;
+
+mod callbacks;
+mod engine;
+mod errors;
+mod values;
+
+/// Lists the (provider, domain) pairs an engine can open on this machine.
+#[pyfunction]
+fn list_providers(py: Python<'_>) -> Vec<(String, String)> {
+    py.detach(fabric_lib::list_providers)
+}
+
+#[pymodule]
+fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("FABRIC_LIB_LOG"))
+        .with_writer(std::io::stderr)
+        .try_init();
+    m.add_class::<engine::PyTransferEngine>()?;
+    m.add_class::<values::PyEngineAddress>()?;
+    m.add_class::<values::PyMrDescriptor>()?;
+    m.add_function(wrap_pyfunction!(list_providers, m)?)?;
+    m.add("ENCODING_VERSION", fabric_lib::ENCODING_VERSION)?;
+    Ok(())
+}

@@ -1,0 +1,40 @@
+"""fabric_lib: portable RDMA point-to-point transfers for LLM systems.
+
+Importing this package needs neither CUDA nor an RDMA device.
+"""
+
+from __future__ import annotations
+
+from ._rust import ENCODING_VERSION, list_providers
+from .engine import EngineAddress, MemoryRegion, MrDescriptor, TransferEngine
+from .errors import (
+    CudaUnavailableError,
+    EngineStoppedError,
+    FabricError,
+    FabricTimeoutError,
+    InvalidArgumentError,
+    InvalidDescriptorError,
+    ProviderUnavailableError,
+    TransferError,
+)
+from .imm_counter import ImmCounter
+
+__all__ = [
+    "ENCODING_VERSION",
+    "CudaUnavailableError",
+    "EngineAddress",
+    "EngineStoppedError",
+    "FabricError",
+    "FabricTimeoutError",
+    "ImmCounter",
+    "InvalidArgumentError",
+    "InvalidDescriptorError",
+    "MemoryRegion",
+    "MrDescriptor",
+    "ProviderUnavailableError",
+    "TransferEngine",
+    "TransferError",
+    "list_providers",
+]
+
+__version__ = "0.1.0"

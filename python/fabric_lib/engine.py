@@ -1,0 +1,239 @@
+"""The TransferEngine: one-sided writes with immediates and small messages between processes.
+
+Completion is learned by counting immediates (``ImmCounter``), never from order: no two
+operations are ordered with respect to each other. Every ``submit_*`` returns a
+``concurrent.futures.Future`` (usable from asyncio via ``asyncio.wrap_future``), or calls
+``on_done(error_or_None)`` on the engine's callback thread when one is given.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Literal
+
+from . import _rust
+from ._futures import completion_future, guarded
+from .errors import InvalidArgumentError
+from .imm_counter import ImmCounter
+
+EngineAddress = _rust.EngineAddress
+MrDescriptor = _rust.MrDescriptor
+OnDone = Callable[[BaseException | None], None]
+
+__all__ = ["TransferEngine", "EngineAddress", "MrDescriptor", "MemoryRegion"]
+
+
+class MemoryRegion:
+    """A local registration: its handle, its descriptor for peers, and what keeps it alive."""
+
+    __slots__ = ("handle", "descriptor", "length", "_owner")
+
+    def __init__(self, handle: int, descriptor: MrDescriptor, length: int, owner: Any) -> None:
+        self.handle = handle
+        self.descriptor = descriptor
+        self.length = length
+        self._owner = owner  # the tensor/buffer whose memory is registered
+
+    def __repr__(self) -> str:
+        return f"MemoryRegion(handle={self.handle}, length={self.length})"
+
+
+def _as_descriptor(dst: MrDescriptor | bytes) -> MrDescriptor:
+    return dst if isinstance(dst, MrDescriptor) else MrDescriptor.from_bytes(bytes(dst))
+
+
+def _as_address(peer: EngineAddress | bytes) -> EngineAddress:
+    return peer if isinstance(peer, EngineAddress) else EngineAddress.from_bytes(bytes(peer))
+
+
+class TransferEngine:
+    """Moves host memory to and from peer engines over a libfabric provider.
+
+    Args:
+        provider: libfabric provider ("tcp", "udp;ofi_rxd", "shm", "efa", "verbs;ofi_rxm");
+            None picks an RDMA provider when present, else tcp on loopback.
+        domain: domain/interface name (e.g. "lo", "eth0"); None picks a sensible default.
+        worker_cpu: CPU to pin the worker thread to.
+        poll_mode: "busy" (lowest latency, one core) or "adaptive" (spins, then sleeps when idle).
+        transfer_timeout: seconds after which an unfinished request fails (dead peer).
+        command_timeout: seconds to wait for the worker to accept or answer a command.
+        max_message_size: largest two-sided message in bytes.
+    """
+
+    def __init__(
+        self,
+        provider: str | None = None,
+        domain: str | None = None,
+        *,
+        worker_cpu: int | None = None,
+        poll_mode: Literal["busy", "adaptive"] = "busy",
+        transfer_timeout: float = 30.0,
+        command_timeout: float = 10.0,
+        max_message_size: int = 65536,
+        recv_buffers: int = 64,
+        send_buffers: int = 64,
+    ) -> None:
+        self._native = _rust.TransferEngine(
+            provider,
+            domain,
+            worker_cpu,
+            poll_mode,
+            transfer_timeout,
+            command_timeout,
+            max_message_size,
+            recv_buffers,
+            send_buffers,
+        )
+        self._regions: dict[int, MemoryRegion] = {}
+        self._lock = threading.Lock()
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def main_address(self) -> EngineAddress:
+        """This engine's address; send ``main_address.to_bytes()`` (or ``to_hex()``) to peers."""
+        return self._native.main_address()
+
+    @property
+    def provider(self) -> str:
+        """The provider in use, e.g. "tcp;ofi_rxm"."""
+        return self._native.provider
+
+    @property
+    def domain_name(self) -> str:
+        """The domain (NIC or interface) in use."""
+        return self._native.domain_name
+
+    # -- memory -----------------------------------------------------------------------------
+    def register_tensor(self, tensor: Any) -> MemoryRegion:
+        """Registers a contiguous CPU torch tensor; the region keeps the tensor alive."""
+        if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "is_contiguous"):
+            raise InvalidArgumentError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError("tensor must be contiguous (call .contiguous() first)")
+        if tensor.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"tensor is on {tensor.device}; this engine's provider registers host memory only"
+            )
+        length = tensor.numel() * tensor.element_size()
+        return self._register(tensor.data_ptr(), length, tensor)
+
+    def register_memory(self, ptr: int, length: int, owner: Any = None) -> MemoryRegion:
+        """Registers raw host memory ``[ptr, ptr + length)``.
+
+        The memory must stay allocated until ``unregister_memory``; pass ``owner`` to have the
+        region keep the owning object alive.
+        """
+        if ptr < 0 or length < 0:
+            raise InvalidArgumentError("ptr and length must be non-negative")
+        return self._register(ptr, length, owner)
+
+    def _register(self, ptr: int, length: int, owner: Any) -> MemoryRegion:
+        handle, descriptor = self._native.register_memory(ptr, length)
+        region = MemoryRegion(handle, descriptor, length, owner)
+        with self._lock:
+            self._regions[handle] = region
+        return region
+
+    def unregister_memory(self, region: MemoryRegion | int) -> None:
+        """Releases a registration (fails while writes from it are in flight)."""
+        handle = region.handle if isinstance(region, MemoryRegion) else int(region)
+        self._native.unregister_memory(handle)
+        with self._lock:
+            self._regions.pop(handle, None)
+
+    # -- one-sided --------------------------------------------------------------------------
+    def submit_write(
+        self,
+        src: MemoryRegion,
+        dst: MrDescriptor | bytes,
+        length: int | None = None,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        on_done: OnDone | None = None,
+    ) -> Future[None] | None:
+        """Writes ``length`` bytes (default: all of ``src`` after ``src_offset``) into the peer
+        region ``dst`` at ``dst_offset``; with ``imm``, the peer counts the immediate once the
+        bytes are in place."""
+        if length is None:
+            length = src.length - src_offset
+        if imm is not None and not 0 <= imm < 2**32:
+            raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
+        for name, value in (("length", length), ("src_offset", src_offset), ("dst_offset", dst_offset)):
+            if value < 0:
+                raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
+        future, callback = self._completion(on_done)
+        self._native.submit_write(
+            src.handle, src_offset, length, _as_descriptor(dst), dst_offset, imm, callback
+        )
+        return future
+
+    def submit_imm(
+        self, imm: int, dst: MrDescriptor | bytes, *, on_done: OnDone | None = None
+    ) -> Future[None] | None:
+        """Sends only an immediate (a zero-byte write into ``dst``'s region)."""
+        if not 0 <= imm < 2**32:
+            raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
+        future, callback = self._completion(on_done)
+        self._native.submit_imm(imm, _as_descriptor(dst), callback)
+        return future
+
+    # -- two-sided --------------------------------------------------------------------------
+    def submit_send(
+        self, peer: EngineAddress | bytes, data: bytes, *, on_done: OnDone | None = None
+    ) -> Future[None] | None:
+        """Sends a small message (≤ ``max_message_size`` bytes) to ``peer``'s receive callback."""
+        future, callback = self._completion(on_done)
+        self._native.submit_send(_as_address(peer), bytes(data), callback)
+        return future
+
+    def set_recv_callback(self, callback: Callable[[bytes], None] | None) -> None:
+        """Installs the callback receiving every message; messages that arrived earlier are
+        delivered once it is set."""
+        self._native.set_recv_callback(None if callback is None else guarded(callback))
+
+    # -- immediates -------------------------------------------------------------------------
+    def set_imm_count_expected(self, imm: int, count: int, on_reached: Callable[[], None]) -> None:
+        """Calls ``on_reached()`` exactly once, when ``imm`` has arrived ``count`` times
+        (arrivals before this call count); then those ``count`` arrivals are consumed."""
+        self._native.set_imm_count_expected(imm, count, guarded(on_reached))
+
+    def expect_imm_count(self, imm: int, count: int) -> Future[None]:
+        """Future form of ``set_imm_count_expected``."""
+        future, settle = completion_future()
+        self._native.set_imm_count_expected(imm, count, lambda: settle(None))
+        return future
+
+    def remove_imm_count(self, imm: int) -> int:
+        """Cancels the expectation on ``imm`` (it will not fire) and returns its current count."""
+        return self._native.remove_imm_count(imm)
+
+    def imm_counter(self, imm: int) -> ImmCounter:
+        """A waitable counter for ``imm`` (no callbacks needed)."""
+        return ImmCounter(self._native, imm)
+
+    def set_imm_callback(self, callback: Callable[[int], None] | None) -> None:
+        """Receives immediates that no expectation or counter claims."""
+        self._native.set_imm_callback(None if callback is None else guarded(callback))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stops the engine: in-flight requests fail with EngineStoppedError. Idempotent."""
+        self._native.stop()
+
+    @property
+    def stopped(self) -> bool:
+        return self._native.stopped
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _completion(self, on_done: OnDone | None) -> tuple[Future[None] | None, OnDone]:
+        if on_done is not None:
+            return None, guarded(on_done)
+        return completion_future()

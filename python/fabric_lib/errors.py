@@ -1,0 +1,46 @@
+"""Exception hierarchy of fabric_lib. Every error the native core reports is one of these."""
+
+from __future__ import annotations
+
+__all__ = [
+    "FabricError",
+    "ProviderUnavailableError",
+    "InvalidArgumentError",
+    "InvalidDescriptorError",
+    "TransferError",
+    "FabricTimeoutError",
+    "EngineStoppedError",
+    "CudaUnavailableError",
+]
+
+
+class FabricError(Exception):
+    """Base class of every fabric_lib error (also raised for failed libfabric calls)."""
+
+
+class ProviderUnavailableError(FabricError):
+    """No libfabric provider or domain matches what was asked for (or it cannot do what was asked)."""
+
+
+class InvalidArgumentError(FabricError, ValueError):
+    """A value is out of range or inconsistent (offsets, lengths, handles, tensors); nothing was posted."""
+
+
+class InvalidDescriptorError(InvalidArgumentError):
+    """Descriptor or address bytes are corrupt, or belong to an incompatible engine."""
+
+
+class TransferError(FabricError):
+    """A posted operation failed (peer gone, connection reset, provider error)."""
+
+
+class FabricTimeoutError(FabricError, TimeoutError):
+    """A bounded wait ran out (unresponsive peer, full queue, count not reached)."""
+
+
+class EngineStoppedError(FabricError):
+    """The engine was stopped before or while the operation ran."""
+
+
+class CudaUnavailableError(FabricError):
+    """A GPU feature was used where CUDA (driver, device or kernels) is missing."""

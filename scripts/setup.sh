@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs what fabric-lib needs on a fresh Debian/Ubuntu machine, then builds it:
+# system packages (libfabric, libclang for bindgen), Python packages, the wheel (installed into
+# this Python) and the fabric-debug CLI. Idempotent: steps already done are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+APT_PACKAGES=(libfabric-dev libfabric-bin libclang-dev clang pkg-config iproute2 gcc)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing system packages: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ! $PY -c "import maturin, pytest, pytest_timeout, hypothesis, numpy, torch" >/dev/null 2>&1; then
+    echo "setup: installing Python packages (torch is large; first run takes a few minutes)"
+    $PY -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=8" pytest-timeout hypothesis numpy torch
+fi
+
+if ! command -v cargo >/dev/null; then
+    echo "setup: cargo (Rust toolchain) is required and not on PATH" >&2
+    exit 1
+fi
+
+echo "setup: building the wheel and fabric-debug (release)"
+rm -rf dist
+$PY -m maturin build --release -q -o dist --compatibility linux --auditwheel skip
+$PY -m pip install -q --disable-pip-version-check --force-reinstall --no-deps dist/*.whl
+cargo build --release -q -p fabric-debug

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs every test: set-up and build, the Rust tests, then pytest (multi-process tests over the
+# tcp, udp;ofi_rxd and shm providers; GPU and netns tests skip with a reason where unsupported).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+echo "== cargo test"
+cargo test -q --release -p libfabric-sys -p fabric-lib -p fabric-debug
+echo "== pytest"
+${PYTHON:-python3} -m pytest -q -p no:cacheprovider tests "$@"
