@@ -6,9 +6,17 @@ use crate::error::Result;
 
 const ADDRESS_MAGIC: [u8; 4] = *b"FLEA";
 
-/// The raw endpoint name of one domain (NIC), as `fi_getname` returns it.
+/// How to reach one domain (NIC) of an engine.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct DomainAddress(pub Vec<u8>);
+pub struct DomainAddress {
+    /// The raw endpoint name, as `fi_getname` returns it.
+    pub endpoint: Vec<u8>,
+    /// Remote key of the engine's immediate slot on this domain (target of `submit_imm` and
+    /// barriers addressed to the engine rather than to a region).
+    pub imm_key: u64,
+    /// Remote address of that slot (0 for offset-addressing providers).
+    pub imm_base: u64,
+}
 
 /// Everything needed to reach an engine: its provider and one address per domain of its device.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -23,8 +23,10 @@ impl PollMode {
 /// Everything a [`crate::TransferEngine`] is built from.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Provider and domain to open.
+    /// Provider and domains (NICs) to open; every peer must open the same number of domains.
     pub provider: ProviderSpec,
+    /// Single writes at least this long are sharded over the domains (multiples of 8 KiB).
+    pub shard_min_bytes: u64,
     /// CPU to pin the worker thread to (`None`: not pinned).
     pub worker_cpu: Option<usize>,
     /// Worker idle behaviour.
@@ -47,6 +49,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             provider: ProviderSpec::default(),
+            shard_min_bytes: 256 * 1024,
             worker_cpu: None,
             poll_mode: PollMode::Busy,
             transfer_timeout: Duration::from_secs(30),

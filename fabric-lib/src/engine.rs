@@ -5,7 +5,7 @@
 //! the engine's callback thread, never on the caller's or the worker's. `stop()` (also run on
 //! drop) is idempotent: in-flight requests fail with [`FabricError::Stopped`].
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -16,26 +16,14 @@ use parking_lot::{Mutex, RwLock};
 use crate::address::{local_host_id, DomainAddress, EngineAddress};
 use crate::callback::CallbackThread;
 use crate::config::EngineConfig;
-use crate::descriptor::{check_range, DomainKey, MemoryKind, MrDescriptor};
+use crate::descriptor::{DomainKey, MemoryKind, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
-use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, WriteCommand, SCRATCH_REGION};
+use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, Target, Transfer};
 
 /// A registered region of this engine, as returned by [`TransferEngine::register_memory`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MrHandle(pub u64);
-
-/// One single write: `len` bytes from a local region to a peer's region, optionally with an
-/// immediate that the peer counts once the bytes are in place.
-#[derive(Clone, Copy, Debug)]
-pub struct WriteRequest<'a> {
-    pub src: MrHandle,
-    pub src_offset: u64,
-    pub len: u64,
-    pub dst: &'a MrDescriptor,
-    pub dst_offset: u64,
-    pub imm: Option<u32>,
-}
 
 #[derive(Clone, Copy)]
 struct RegionInfo {
@@ -46,10 +34,14 @@ struct RegionInfo {
 pub struct TransferEngine {
     config: EngineConfig,
     address: EngineAddress,
-    domain_name: String,
+    domain_names: Vec<String>,
     commands: Sender<Command>,
     regions: RwLock<HashMap<u64, RegionInfo>>,
     next_region: AtomicU64,
+    /// Rotates the first domain of successive requests so load spreads over every NIC.
+    pub(crate) next_domain: AtomicUsize,
+    pub(crate) peer_groups: RwLock<HashMap<u64, Vec<EngineAddress>>>,
+    pub(crate) next_group: AtomicU64,
     imm: Arc<ImmCounterTable>,
     callbacks: CallbackThread,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -75,15 +67,26 @@ impl TransferEngine {
         let address = EngineAddress {
             provider: info.provider,
             host_id: local_host_id(),
-            domains: vec![DomainAddress(info.address)],
+            domains: info
+                .domains
+                .iter()
+                .map(|(_, endpoint, (imm_key, imm_base))| DomainAddress {
+                    endpoint: endpoint.clone(),
+                    imm_key: *imm_key,
+                    imm_base: *imm_base,
+                })
+                .collect(),
         };
         Ok(TransferEngine {
             config,
             address,
-            domain_name: info.domain,
+            domain_names: info.domains.into_iter().map(|(name, _, _)| name).collect(),
             commands,
             regions: RwLock::new(HashMap::new()),
-            next_region: AtomicU64::new(SCRATCH_REGION + 1),
+            next_region: AtomicU64::new(worker::SCRATCH_REGION + 1),
+            next_domain: AtomicUsize::new(0),
+            peer_groups: RwLock::new(HashMap::new()),
+            next_group: AtomicU64::new(1),
             imm,
             callbacks,
             worker: Mutex::new(Some(handle)),
@@ -101,9 +104,14 @@ impl TransferEngine {
         &self.address.provider
     }
 
-    /// The domain (NIC or interface) in use, e.g. `lo`.
-    pub fn domain_name(&self) -> &str {
-        &self.domain_name
+    /// The domains (NICs or interfaces) in use, in order, e.g. `["lo"]`.
+    pub fn domain_names(&self) -> &[String] {
+        &self.domain_names
+    }
+
+    /// Number of domains of this engine's device.
+    pub fn num_domains(&self) -> usize {
+        self.domain_names.len()
     }
 
     /// The configuration the engine was built with.
@@ -111,7 +119,7 @@ impl TransferEngine {
         &self.config
     }
 
-    fn command(&self, cmd: Command) -> Result<()> {
+    pub(crate) fn command(&self, cmd: Command) -> Result<()> {
         if self.stopped.load(Ordering::Acquire) {
             return Err(FabricError::Stopped);
         }
@@ -122,6 +130,46 @@ impl TransferEngine {
             )),
             SendTimeoutError::Disconnected(_) => FabricError::Stopped,
         })
+    }
+
+    /// Checks that `peer` can be reached from this engine: same provider, same domain count.
+    pub(crate) fn check_peer(&self, peer: &EngineAddress) -> Result<()> {
+        if peer.provider != self.address.provider {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "peer belongs to a '{}' engine, this engine uses '{}'",
+                peer.provider, self.address.provider
+            )));
+        }
+        if peer.domains.len() != self.address.domains.len() {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "peer has {} domains, this engine {}; all peers must use the same number",
+                peer.domains.len(),
+                self.address.domains.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Where the worker writes for a region descriptor (checked against this engine).
+    pub(crate) fn region_target(&self, dst: &MrDescriptor) -> Result<Target> {
+        self.check_peer(&dst.owner)?;
+        Ok(Target {
+            addresses: dst.keys.iter().map(|k| k.address.endpoint.clone()).collect(),
+            keys: dst.keys.iter().map(|k| (k.key, k.remote_base)).collect(),
+        })
+    }
+
+    /// Where the worker sends immediates addressed to an engine (its immediate slots).
+    pub(crate) fn engine_target(&self, peer: &EngineAddress) -> Result<Target> {
+        self.check_peer(peer)?;
+        Ok(Target {
+            addresses: peer.domains.iter().map(|d| d.endpoint.clone()).collect(),
+            keys: peer.domains.iter().map(|d| (d.imm_key, d.imm_base)).collect(),
+        })
+    }
+
+    pub(crate) fn submit_transfer(&self, transfer: Transfer) -> Result<()> {
+        self.command(Command::Transfer(transfer))
     }
 
     fn request<T>(&self, make: impl FnOnce(Sender<Result<T>>) -> Command) -> Result<T> {
@@ -165,11 +213,11 @@ impl TransferEngine {
             len: len as u64,
             kind,
             owner: self.address.clone(),
-            keys: vec![DomainKey {
-                address: self.address.domains[0].clone(),
-                key: registered.key,
-                remote_base: registered.remote_base,
-            }],
+            keys: registered
+                .iter()
+                .zip(&self.address.domains)
+                .map(|(&(key, remote_base), address)| DomainKey { address: address.clone(), key, remote_base })
+                .collect(),
         };
         Ok((MrHandle(region), descriptor))
     }
@@ -193,68 +241,10 @@ impl TransferEngine {
             .ok_or_else(|| FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)))
     }
 
-    fn check_peer(&self, dst: &MrDescriptor) -> Result<()> {
-        if dst.owner.provider != self.address.provider {
-            return Err(FabricError::InvalidDescriptor(format!(
-                "descriptor belongs to a '{}' engine, this engine uses '{}'",
-                dst.owner.provider, self.address.provider
-            )));
-        }
-        if dst.keys.len() != self.address.domains.len() {
-            return Err(FabricError::InvalidDescriptor(format!(
-                "peer has {} domains, this engine {}; all peers must use the same number",
-                dst.keys.len(),
-                self.address.domains.len()
-            )));
-        }
-        Ok(())
-    }
-
-    /// Posts one write; `on_done` runs on the callback thread once the local side completed
-    /// (or failed). Bad input is rejected here and nothing is posted.
-    pub fn submit_write(&self, req: &WriteRequest<'_>, on_done: OnDone) -> Result<()> {
-        let src_len = self.region_len(req.src)?;
-        check_range("source", src_len, req.src_offset, req.len)?;
-        self.check_peer(req.dst)?;
-        req.dst.check_range(req.dst_offset, req.len)?;
-        let key = &req.dst.keys[0];
-        self.command(Command::Write(WriteCommand {
-            region: req.src.0,
-            src_offset: req.src_offset as usize,
-            len: req.len as usize,
-            peer: key.address.0.clone(),
-            remote_addr: key.remote_base + req.dst_offset,
-            key: key.key,
-            imm: req.imm,
-            on_done,
-        }))
-    }
-
-    /// Sends only an immediate (a zero-byte write into `dst`).
-    pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
-        self.check_peer(dst)?;
-        let key = &dst.keys[0];
-        self.command(Command::Write(WriteCommand {
-            region: SCRATCH_REGION,
-            src_offset: 0,
-            len: 0,
-            peer: key.address.0.clone(),
-            remote_addr: key.remote_base,
-            key: key.key,
-            imm: Some(imm),
-            on_done,
-        }))
-    }
-
     /// Sends a small two-sided message (at most `max_message_size` bytes) to `peer`, whose
     /// receive callback gets the bytes.
     pub fn submit_send(&self, peer: &EngineAddress, data: Vec<u8>, on_done: OnDone) -> Result<()> {
-        if peer.provider != self.address.provider {
-            return Err(FabricError::InvalidDescriptor(format!(
-                "peer uses provider '{}', this engine '{}'",
-                peer.provider, self.address.provider
-            )));
-        }
+        self.check_peer(peer)?;
         if data.len() > self.config.max_message_size {
             return Err(FabricError::InvalidArgument(format!(
                 "message of {} bytes exceeds max_message_size ({})",
@@ -262,7 +252,7 @@ impl TransferEngine {
                 self.config.max_message_size
             )));
         }
-        self.command(Command::Send(SendCommand { peer: peer.domains[0].0.clone(), data, on_done }))
+        self.command(Command::Send(SendCommand { peer: peer.domains[0].endpoint.clone(), data, on_done }))
     }
 
     /// Installs the callback for received messages (`None` keeps messages until one is set).

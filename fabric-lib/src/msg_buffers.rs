@@ -42,4 +42,12 @@ impl MsgBuffers {
     pub fn desc(&self) -> *mut std::ffi::c_void {
         self.mr.desc()
     }
+
+    pub fn key(&self) -> u64 {
+        self.mr.key()
+    }
+
+    pub fn remote_base(&self) -> u64 {
+        self.mr.remote_base()
+    }
 }

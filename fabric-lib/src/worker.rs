@@ -1,4 +1,4 @@
-//! The worker: one thread per device that solely owns the device's domain, posts operations,
+//! The worker: one thread per device that solely owns the device's domains, posts operations,
 //! drives progress, counts immediates and hands completions to the callback thread.
 //!
 //! No locks on the data path: commands arrive on a bounded channel, completions leave on the
@@ -12,31 +12,35 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvErro
 
 use crate::callback::CallbackQueue;
 use crate::config::{EngineConfig, PollMode};
+use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
-use crate::msg_buffers::MsgBuffers;
-use crate::provider::libfabric::{Completion, LibfabricDomain, LocalMr, OpContext, OpKind, Posted};
-use crate::provider::libfabric::ProviderSpec;
+use crate::provider::libfabric::{Completion, LocalMr, OpContext, OpKind, Posted};
+use crate::sharding::{DeferredImm, Shard};
 
 /// Completion callback of one request.
 pub type OnDone = Box<dyn FnOnce(Result<()>) + Send + 'static>;
 /// Receives every two-sided message.
 pub type RecvCallback = Arc<dyn Fn(Vec<u8>) + Send + Sync + 'static>;
 
-/// Region id of the worker's scratch buffer (source of zero-byte immediate writes).
+/// Region id of the worker's scratch buffers (source of zero-byte immediate writes).
 pub(crate) const SCRATCH_REGION: u64 = 0;
 /// Messages kept while no receive callback is installed; older ones are dropped past this.
 const UNDELIVERED_LIMIT: usize = 4096;
 
-/// A write, validated by the engine.
-pub(crate) struct WriteCommand {
+/// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
+/// peer's endpoint address and (key, remote base).
+pub(crate) struct Target {
+    pub addresses: Vec<Vec<u8>>,
+    pub keys: Vec<(u64, u64)>,
+}
+
+/// A validated, planned request of one or more writes.
+pub(crate) struct Transfer {
     pub region: u64,
-    pub src_offset: usize,
-    pub len: usize,
-    pub peer: Vec<u8>,
-    pub remote_addr: u64,
-    pub key: u64,
-    pub imm: Option<u32>,
+    pub targets: Vec<Target>,
+    pub shards: Vec<Shard>,
+    pub deferred: Vec<DeferredImm>,
     pub on_done: OnDone,
 }
 
@@ -47,43 +51,40 @@ pub(crate) struct SendCommand {
     pub on_done: OnDone,
 }
 
-/// The result of registering memory on the worker's domain.
-pub(crate) struct Registered {
-    pub key: u64,
-    pub remote_base: u64,
-}
-
 pub(crate) enum Command {
-    Register { region: u64, ptr: usize, len: usize, reply: Sender<Result<Registered>> },
+    Register { region: u64, ptr: usize, len: usize, reply: Sender<Result<Vec<(u64, u64)>>> },
     Unregister { region: u64, reply: Sender<Result<()>> },
-    Write(WriteCommand),
+    Transfer(Transfer),
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
     Stop,
 }
 
-/// What the worker reports once its domain is open.
+/// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
-    pub address: Vec<u8>,
     pub provider: String,
-    pub domain: String,
+    /// Per domain: name, endpoint address, (key, remote base) of the immediate slot.
+    pub domains: Vec<(String, Vec<u8>, (u64, u64))>,
 }
 
 struct Region {
-    mr: LocalMr,
+    mrs: Vec<LocalMr>,
     ptr: usize,
     /// Posted operations that read from this region and have not completed.
     in_flight: usize,
 }
 
 struct Request {
-    remaining: u32,
+    remaining: usize,
     error: Option<FabricError>,
     on_done: OnDone,
+    /// Immediates to send once every data shard was delivered, with their resolved targets.
+    deferred: Vec<(DeferredImm, u64, u64, u64)>,
 }
 
+#[derive(Clone, Copy)]
 enum Op {
-    Write { region: u64, ptr: usize, len: usize, dest: u64, remote_addr: u64, key: u64, imm: Option<u32> },
+    Write { region: u64, ptr: usize, len: usize, dest: u64, remote_addr: u64, key: u64, imm: Option<u32>, delivery: bool },
     Send { slot: usize, len: usize, dest: u64 },
 }
 
@@ -92,7 +93,7 @@ struct PendingPost {
     op: Op,
 }
 
-/// Starts a worker thread and waits (bounded) until its domain is open.
+/// Starts a worker thread for `specs` (one per domain) and waits (bounded) until it is ready.
 pub(crate) fn spawn(
     config: &EngineConfig,
     imm: Arc<ImmCounterTable>,
@@ -113,9 +114,12 @@ pub(crate) fn spawn(
             match Worker::open(&config, rx, imm, callbacks) {
                 Ok(worker) => {
                     let info = WorkerInfo {
-                        address: worker.domain.address().to_vec(),
-                        provider: worker.domain.provider_name(),
-                        domain: worker.domain.domain_name(),
+                        provider: worker.domains[0].domain.provider_name(),
+                        domains: worker
+                            .domains
+                            .iter()
+                            .map(|d| (d.domain.domain_name(), d.domain.address().to_vec(), d.imm_target()))
+                            .collect(),
                     };
                     let _ = ready_tx.send(Ok(info));
                     worker.run();
@@ -128,7 +132,7 @@ pub(crate) fn spawn(
         .map_err(|e| FabricError::InvalidArgument(format!("cannot spawn the worker thread: {e}")))?;
     let info = ready_rx
         .recv_timeout(timeout)
-        .map_err(|_| FabricError::Timeout(format!("worker did not open its domain within {timeout:?}")))??;
+        .map_err(|_| FabricError::Timeout(format!("worker did not open its domains within {timeout:?}")))??;
     Ok((tx, handle, info))
 }
 
@@ -140,63 +144,56 @@ struct Worker {
     transfer_timeout: Duration,
 
     regions: HashMap<u64, Region>,
-    scratch: MsgBuffers,
-    send_buffers: MsgBuffers,
-    free_send_slots: Vec<usize>,
-    recv_buffers: MsgBuffers,
-    recv_contexts: Vec<Box<OpContext>>,
-    recv_to_post: Vec<usize>,
     recv_callback: Option<RecvCallback>,
     undelivered: VecDeque<Vec<u8>>,
 
     requests: HashMap<u64, Request>,
     next_request: u64,
     deadlines: VecDeque<(Instant, u64)>,
-    pending: VecDeque<PendingPost>,
+    /// Posts the provider pushed back on, per domain, in order.
+    pending: Vec<VecDeque<PendingPost>>,
+    /// Messages waiting for a free send buffer (request, peer, bytes).
     waiting_sends: VecDeque<(u64, u64, Vec<u8>)>,
     outstanding: HashSet<usize>,
     completions: Vec<Completion>,
     imm_batch: HashMap<u32, u32>,
 
-    // Last: every registration above holds the domain alive and is closed before it.
-    domain: LibfabricDomain,
+    // Last: every registration above holds its domain alive and is closed before it.
+    domains: Vec<DomainState>,
 }
 
 impl Worker {
     fn open(config: &EngineConfig, rx: Receiver<Command>, imm: Arc<ImmCounterTable>, callbacks: CallbackQueue) -> Result<Self> {
-        let spec: &ProviderSpec = &config.provider;
-        let mut domain = LibfabricDomain::open(spec)?;
-        let scratch = MsgBuffers::new(&mut domain, 1, 64)?;
-        let send_buffers = MsgBuffers::new(&mut domain, config.send_buffers.max(1), config.max_message_size)?;
-        let recv_count = config.recv_buffers.max(1);
-        let recv_buffers = MsgBuffers::new(&mut domain, recv_count, config.max_message_size)?;
-        let mut worker = Worker {
+        let domains = config
+            .provider
+            .specs()
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| DomainState::open(i, spec, config))
+            .collect::<Result<Vec<_>>>()?;
+        let providers: HashSet<String> = domains.iter().map(|d| d.domain.provider_name()).collect();
+        if providers.len() != 1 {
+            return Err(FabricError::InvalidArgument(format!("all domains of a device must use one provider, got {providers:?}")));
+        }
+        Ok(Worker {
             rx,
             imm,
             callbacks,
             poll_mode: config.poll_mode,
             transfer_timeout: config.transfer_timeout,
             regions: HashMap::new(),
-            scratch,
-            free_send_slots: (0..config.send_buffers.max(1)).rev().collect(),
-            send_buffers,
-            recv_contexts: (0..recv_count).map(|slot| OpContext::new(OpKind::Recv { slot })).collect(),
-            recv_buffers,
-            recv_to_post: (0..recv_count).collect(),
             recv_callback: None,
             undelivered: VecDeque::new(),
             requests: HashMap::new(),
             next_request: 1,
             deadlines: VecDeque::new(),
-            pending: VecDeque::new(),
+            pending: (0..domains.len()).map(|_| VecDeque::new()).collect(),
             waiting_sends: VecDeque::new(),
             outstanding: HashSet::new(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
             imm_batch: HashMap::new(),
-            domain,
-        };
-        worker.post_receives()?;
-        Ok(worker)
+            domains,
+        })
     }
 
     fn run(mut self) {
@@ -225,7 +222,7 @@ impl Worker {
                 last_active = Instant::now();
                 continue;
             }
-            let busy = !self.outstanding.is_empty() || !self.pending.is_empty();
+            let busy = !self.outstanding.is_empty() || self.pending.iter().any(|p| !p.is_empty());
             match self.poll_mode {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
@@ -248,10 +245,12 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Register { region, ptr, len, reply } => {
-                let result = self.domain.register(ptr as *mut u8, len).map(|mr| {
-                    let out = Registered { key: mr.key(), remote_base: mr.remote_base() };
-                    self.regions.insert(region, Region { mr, ptr, in_flight: 0 });
-                    out
+                let mrs: Result<Vec<LocalMr>> =
+                    self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len)).collect();
+                let result = mrs.map(|mrs| {
+                    let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
+                    self.regions.insert(region, Region { mrs, ptr, in_flight: 0 });
+                    keys
                 });
                 let _ = reply.send(result);
             }
@@ -269,7 +268,7 @@ impl Worker {
                 };
                 let _ = reply.send(result);
             }
-            Command::Write(cmd) => self.start_write(cmd),
+            Command::Transfer(t) => self.start_transfer(t),
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
@@ -285,63 +284,99 @@ impl Worker {
         true
     }
 
-    fn new_request(&mut self, on_done: OnDone) -> u64 {
+    fn new_request(&mut self, on_done: OnDone, parts: usize) -> u64 {
         let id = self.next_request;
         self.next_request += 1;
-        self.requests.insert(id, Request { remaining: 1, error: None, on_done });
+        self.requests.insert(id, Request { remaining: parts, error: None, on_done, deferred: Vec::new() });
         self.deadlines.push_back((Instant::now() + self.transfer_timeout, id));
         id
     }
 
-    fn start_write(&mut self, cmd: WriteCommand) {
-        let id = self.new_request(cmd.on_done);
-        let ptr = if cmd.region == SCRATCH_REGION {
-            self.scratch.slot_ptr(0) as usize
+    /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
+    fn dest(&mut self, cache: &mut HashMap<(u32, u16), u64>, targets: &[Target], peer: u32, domain: u16) -> Result<u64> {
+        if let Some(d) = cache.get(&(peer, domain)) {
+            return Ok(*d);
+        }
+        let addr = &targets[peer as usize].addresses[domain as usize];
+        let d = self.domains[domain as usize].domain.resolve_peer(addr)?;
+        cache.insert((peer, domain), d);
+        Ok(d)
+    }
+
+    fn start_transfer(&mut self, t: Transfer) {
+        let Transfer { region, targets, shards, deferred, on_done } = t;
+        let id = self.new_request(on_done, shards.len().max(1));
+        let base = if region == SCRATCH_REGION {
+            None
         } else {
-            match self.regions.get(&cmd.region) {
-                Some(r) => r.ptr + cmd.src_offset,
+            match self.regions.get(&region) {
+                Some(r) => Some(r.ptr),
                 None => {
-                    let e = FabricError::InvalidArgument(format!("memory handle {} was unregistered", cmd.region));
-                    return self.finish(id, Err(e));
+                    let e = FabricError::InvalidArgument(format!("memory handle {region} was unregistered"));
+                    return self.fail_request(id, e);
                 }
             }
         };
-        let dest = match self.domain.resolve_peer(&cmd.peer) {
-            Ok(d) => d,
-            Err(e) => return self.finish(id, Err(e)),
-        };
-        let op = Op::Write { region: cmd.region, ptr, len: cmd.len, dest, remote_addr: cmd.remote_addr, key: cmd.key, imm: cmd.imm };
-        self.post_or_queue(PendingPost { request: id, op });
+        let mut cache = HashMap::new();
+        let mut resolved = Vec::with_capacity(deferred.len());
+        for d in &deferred {
+            let (key, remote_base) = targets[d.peer as usize].keys[d.domain as usize];
+            match self.dest(&mut cache, &targets, d.peer, d.domain) {
+                Ok(dest) => resolved.push((*d, dest, key, remote_base)),
+                Err(e) => return self.fail_request(id, e),
+            }
+        }
+        let delivery = !resolved.is_empty();
+        self.requests.get_mut(&id).expect("just inserted").deferred = resolved;
+        if shards.is_empty() {
+            // Immediate-only request (barrier, or no data): the deferred imms are the request.
+            return self.finish(id, Ok(()));
+        }
+        for s in shards {
+            let dest = match self.dest(&mut cache, &targets, s.peer, s.domain) {
+                Ok(d) => d,
+                Err(e) => return self.fail_request(id, e),
+            };
+            let (key, remote_base) = targets[s.peer as usize].keys[s.domain as usize];
+            let domain = s.domain as usize;
+            let ptr = match base {
+                Some(b) => b + s.src_offset as usize,
+                None => self.domains[domain].scratch.slot_ptr(0) as usize,
+            };
+            let op = Op::Write { region, ptr, len: s.len as usize, dest, remote_addr: remote_base + s.dst_offset, key, imm: s.imm, delivery };
+            self.post_or_queue(domain, PendingPost { request: id, op });
+        }
     }
 
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
-        let id = self.new_request(on_done);
-        match self.domain.resolve_peer(&peer) {
+        let id = self.new_request(on_done, 1);
+        match self.domains[0].domain.resolve_peer(&peer) {
             Ok(dest) => self.queue_send(id, dest, data),
             Err(e) => self.finish(id, Err(e)),
         }
     }
 
-    /// Copies a message into a free send buffer and posts it, or waits for a buffer.
+    /// Copies a message into a free send buffer (of domain 0) and posts it, or waits for one.
     fn queue_send(&mut self, request: u64, dest: u64, data: Vec<u8>) {
-        match self.free_send_slots.pop() {
+        let d = &mut self.domains[0];
+        match d.free_send_slots.pop() {
             Some(slot) => {
-                self.send_buffers.fill(slot, &data);
-                self.post_or_queue(PendingPost { request, op: Op::Send { slot, len: data.len(), dest } });
+                d.send_buffers.fill(slot, &data);
+                self.post_or_queue(0, PendingPost { request, op: Op::Send { slot, len: data.len(), dest } });
             }
             None => self.waiting_sends.push_back((request, dest, data)),
         }
     }
 
-    fn post_or_queue(&mut self, post: PendingPost) {
-        if !self.pending.is_empty() {
-            self.pending.push_back(post);
+    fn post_or_queue(&mut self, domain: usize, post: PendingPost) {
+        if !self.pending[domain].is_empty() {
+            self.pending[domain].push_back(post);
             return;
         }
-        match self.try_post(&post) {
+        match self.try_post(domain, &post) {
             Ok(true) => {}
-            Ok(false) => self.pending.push_back(post),
+            Ok(false) => self.pending[domain].push_back(post),
             Err(e) => self.fail_post(post, e),
         }
     }
@@ -353,26 +388,27 @@ impl Worker {
         self.finish(post.request, Err(e));
     }
 
-    /// Posts one operation; Ok(false) when the provider asks us to retry later.
-    fn try_post(&mut self, post: &PendingPost) -> Result<bool> {
+    /// Posts one operation on `domain`; Ok(false) when the provider asks us to retry later.
+    fn try_post(&mut self, domain: usize, post: &PendingPost) -> Result<bool> {
         let (kind, region) = match post.op {
             Op::Write { region, .. } => (OpKind::Write { request: post.request, region }, Some(region)),
-            Op::Send { slot, .. } => (OpKind::Send { request: post.request, slot }, None),
+            Op::Send { slot, .. } => (OpKind::Send { request: post.request, slot, domain: domain as u16 }, None),
         };
         let context = Box::into_raw(OpContext::new(kind));
-        // SAFETY: the source memory is registered (regions keep their MR until no operation is
-        // in flight; buffers live as long as the worker) and `context` stays allocated until its
-        // completion is read or the worker shuts down.
+        let d = &mut self.domains[domain];
+        // SAFETY: the source memory is registered (regions keep their MRs until no operation is
+        // in flight; library buffers live as long as the worker) and `context` stays allocated
+        // until its completion is read or the worker shuts down.
         let posted = unsafe {
             match post.op {
-                Op::Write { region, ptr, len, dest, remote_addr, key, imm } => {
-                    let desc = if region == SCRATCH_REGION { self.scratch.desc() } else { self.regions[&region].mr.desc() };
-                    self.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm, context)
+                Op::Write { region, ptr, len, dest, remote_addr, key, imm, delivery } => {
+                    let desc = if region == SCRATCH_REGION { d.scratch.desc() } else { self.regions[&region].mrs[domain].desc() };
+                    d.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm, delivery, context)
                 }
                 Op::Send { slot, len, dest } => {
-                    let ptr = self.send_buffers.slot_ptr(slot);
-                    let desc = self.send_buffers.desc();
-                    self.domain.post_send(ptr, len, desc, dest, context)
+                    let ptr = d.send_buffers.slot_ptr(slot);
+                    let desc = d.send_buffers.desc();
+                    d.domain.post_send(ptr, len, desc, dest, context)
                 }
             }
         };
@@ -392,66 +428,50 @@ impl Worker {
         }
     }
 
-    fn post_receives(&mut self) -> Result<()> {
-        while let Some(slot) = self.recv_to_post.pop() {
-            let ptr = self.recv_buffers.slot_ptr(slot);
-            let len = self.recv_buffers.slot_size();
-            let desc = self.recv_buffers.desc();
-            let context: *mut OpContext = &mut *self.recv_contexts[slot];
-            // SAFETY: the receive buffers and their contexts live as long as the worker.
-            match unsafe { self.domain.post_recv(ptr, len, desc, context) }? {
-                Posted::Ok => {}
-                Posted::Again => {
-                    self.recv_to_post.push(slot);
-                    break;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Retries queued posts and drains the completion queue; true if anything happened.
+    /// Retries queued posts and drains the completion queues; true if anything happened.
     fn progress(&mut self) -> bool {
         let mut active = false;
-        while let Some(post) = self.pending.pop_front() {
-            if !self.requests.contains_key(&post.request) {
-                if let Op::Send { slot, .. } = post.op {
-                    self.release_send_slot(slot);
+        for domain in 0..self.domains.len() {
+            while let Some(post) = self.pending[domain].pop_front() {
+                if !self.requests.contains_key(&post.request) {
+                    if let Op::Send { slot, .. } = post.op {
+                        self.release_send_slot(slot);
+                    }
+                    continue; // failed or timed out meanwhile
                 }
-                continue; // failed or timed out meanwhile
-            }
-            match self.try_post(&post) {
-                Ok(true) => active = true,
-                Ok(false) => {
-                    self.pending.push_front(post);
-                    break;
+                match self.try_post(domain, &post) {
+                    Ok(true) => active = true,
+                    Ok(false) => {
+                        self.pending[domain].push_front(post);
+                        break;
+                    }
+                    Err(e) => self.fail_post(post, e),
                 }
-                Err(e) => self.fail_post(post, e),
             }
-        }
-        if !self.recv_to_post.is_empty() {
-            if let Err(e) = self.post_receives() {
-                tracing::error!("re-posting receive buffers failed: {e}");
+            if !self.domains[domain].recv_to_post.is_empty() {
+                if let Err(e) = self.domains[domain].post_receives() {
+                    tracing::error!("re-posting receive buffers failed: {e}");
+                }
             }
-        }
-        let mut completions = std::mem::take(&mut self.completions);
-        for _ in 0..4 {
-            completions.clear();
-            match self.domain.poll(&mut completions) {
-                Ok(0) => break,
-                Ok(_) => {
-                    active = true;
-                    for c in completions.drain(..) {
-                        self.on_completion(c);
+            let mut completions = std::mem::take(&mut self.completions);
+            for _ in 0..4 {
+                completions.clear();
+                match self.domains[domain].domain.poll(&mut completions) {
+                    Ok(0) => break,
+                    Ok(_) => {
+                        active = true;
+                        for c in completions.drain(..) {
+                            self.on_completion(c);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!("polling the completion queue failed: {e}");
+                        break;
                     }
                 }
-                Err(e) => {
-                    tracing::error!("polling the completion queue failed: {e}");
-                    break;
-                }
             }
+            self.completions = completions;
         }
-        self.completions = completions;
         if !self.imm_batch.is_empty() {
             let batch: Vec<(u32, u32)> = self.imm_batch.drain().collect();
             let events = self.imm.add_batch(&batch);
@@ -463,9 +483,10 @@ impl Worker {
     fn on_completion(&mut self, completion: Completion) {
         match completion {
             Completion::Done { context, len } => match self.take_context(context) {
-                Some(OpKind::Recv { slot }) => {
-                    let msg = self.recv_buffers.slot_bytes(slot, len).to_vec();
-                    self.recv_to_post.push(slot);
+                Some(OpKind::Recv { slot, domain }) => {
+                    let d = &mut self.domains[domain as usize];
+                    let msg = d.recv_buffers.slot_bytes(slot, len).to_vec();
+                    d.recv_to_post.push(slot);
                     self.deliver(msg);
                 }
                 Some(kind) => self.finish_op(kind, Ok(())),
@@ -473,14 +494,14 @@ impl Worker {
             },
             Completion::RemoteImm { imm, context } => {
                 *self.imm_batch.entry(imm).or_default() += 1;
-                if let Some(OpKind::Recv { slot }) = self.take_context(context) {
-                    self.recv_to_post.push(slot); // FI_RX_CQ_DATA: the write consumed a receive
+                if let Some(OpKind::Recv { slot, domain }) = self.take_context(context) {
+                    self.domains[domain as usize].recv_to_post.push(slot); // FI_RX_CQ_DATA
                 }
             }
             Completion::Failed { context, message } => match self.take_context(context) {
-                Some(OpKind::Recv { slot }) => {
+                Some(OpKind::Recv { slot, domain }) => {
                     tracing::warn!("a receive failed: {message}");
-                    self.recv_to_post.push(slot);
+                    self.domains[domain as usize].recv_to_post.push(slot);
                 }
                 Some(kind) => self.finish_op(kind, Err(FabricError::TransferFailed(message))),
                 None => tracing::warn!("completion error without a context: {message}"),
@@ -511,7 +532,7 @@ impl Worker {
                 }
                 self.finish(request, result);
             }
-            OpKind::Send { request, slot } => {
+            OpKind::Send { request, slot, .. } => {
                 self.release_send_slot(slot);
                 self.finish(request, result);
             }
@@ -519,19 +540,40 @@ impl Worker {
         }
     }
 
-    /// Records one finished part of a request; completes it when all parts are done.
+    fn fail_request(&mut self, request: u64, e: FabricError) {
+        if let Some(req) = self.requests.get_mut(&request) {
+            req.deferred.clear();
+            req.remaining = 1;
+        }
+        self.finish(request, Err(e));
+    }
+
+    /// Records one finished part of a request. When all data parts are done, posts the deferred
+    /// immediates (on success) as the request's last parts; then completes the request.
     fn finish(&mut self, request: u64, result: Result<()>) {
         let Some(req) = self.requests.get_mut(&request) else { return };
         if let Err(e) = result {
             req.error.get_or_insert(e);
         }
         req.remaining -= 1;
-        if req.remaining == 0 {
-            let req = self.requests.remove(&request).expect("present");
-            let result = req.error.map_or(Ok(()), Err);
-            let on_done = req.on_done;
-            self.callbacks.push(Box::new(move || on_done(result)));
+        if req.remaining > 0 {
+            return;
         }
+        if req.error.is_none() && !req.deferred.is_empty() {
+            let deferred = std::mem::take(&mut req.deferred);
+            req.remaining = deferred.len();
+            for (d, dest, key, remote_base) in deferred {
+                let domain = d.domain as usize;
+                let ptr = self.domains[domain].scratch.slot_ptr(0) as usize;
+                let op = Op::Write { region: SCRATCH_REGION, ptr, len: 0, dest, remote_addr: remote_base, key, imm: Some(d.imm), delivery: false };
+                self.post_or_queue(domain, PendingPost { request, op });
+            }
+            return;
+        }
+        let req = self.requests.remove(&request).expect("present");
+        let result = req.error.map_or(Ok(()), Err);
+        let on_done = req.on_done;
+        self.callbacks.push(Box::new(move || on_done(result)));
     }
 
     fn deliver(&mut self, msg: Vec<u8>) {
@@ -551,7 +593,7 @@ impl Worker {
     }
 
     fn release_send_slot(&mut self, slot: usize) {
-        self.free_send_slots.push(slot);
+        self.domains[0].free_send_slots.push(slot);
         while let Some((request, dest, data)) = self.waiting_sends.pop_front() {
             if self.requests.contains_key(&request) {
                 self.queue_send(request, dest, data);
@@ -578,7 +620,7 @@ impl Worker {
         }
     }
 
-    /// Fails everything still in flight, closes the domain and frees leftover contexts.
+    /// Fails everything still in flight, closes the domains and frees leftover contexts.
     fn shutdown(mut self) {
         for (_, req) in self.requests.drain() {
             let on_done = req.on_done;
@@ -587,7 +629,7 @@ impl Worker {
         self.waiting_sends.clear();
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
-                Command::Write(WriteCommand { on_done, .. }) | Command::Send(SendCommand { on_done, .. }) => {
+                Command::Transfer(Transfer { on_done, .. }) | Command::Send(SendCommand { on_done, .. }) => {
                     self.callbacks.push(Box::new(move || on_done(Err(FabricError::Stopped))));
                 }
                 Command::Register { reply, .. } => {
@@ -600,9 +642,9 @@ impl Worker {
             }
         }
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
-        drop(self); // closes every registration, then the endpoint and domain
+        drop(self); // closes every registration, then the endpoints and domains
         for context in outstanding {
-            // SAFETY: the endpoint is closed, so the provider no longer references these
+            // SAFETY: the endpoints are closed, so the provider no longer references these
             // contexts; each came from Box::into_raw and was never freed.
             drop(unsafe { Box::from_raw(context as *mut OpContext) });
         }

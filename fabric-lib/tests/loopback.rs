@@ -2,11 +2,11 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fabric_lib::{EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine, WriteRequest};
+use fabric_lib::{DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine, WriteRequest};
 
 fn engine(provider: &str) -> TransferEngine {
     let config = EngineConfig {
-        provider: ProviderSpec { provider: Some(provider.into()), domain: None },
+        provider: ProviderSpec::new(Some(provider), &[]),
         poll_mode: PollMode::ADAPTIVE,
         transfer_timeout: Duration::from_secs(20),
         ..Default::default()
@@ -40,7 +40,7 @@ fn write_imm_and_message(provider: &str) {
     let chunk = (1u64 << 20) / n_writes;
     for i in 0..n_writes {
         let tx = tx.clone();
-        let req = WriteRequest { src: src_h, src_offset: i * chunk, len: chunk, dst: &dst_desc, dst_offset: i * chunk, imm: Some(42) };
+        let req = WriteRequest { src: src_h, src_offset: i * chunk, len: chunk, dst: &dst_desc, dst_offset: i * chunk, imm: Some(42), domains: DomainChoice::Shard(1) };
         a.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
     }
     b.wait_imm_count(42, n_writes, Duration::from_secs(20)).unwrap();
@@ -61,7 +61,7 @@ fn write_imm_and_message(provider: &str) {
     wait(&rx);
     assert_eq!(mrx.recv_timeout(Duration::from_secs(20)).unwrap(), b"hello fabric");
 
-    let bad = WriteRequest { src: src_h, src_offset: 1, len: 1 << 20, dst: &dst_desc, dst_offset: 0, imm: None };
+    let bad = WriteRequest { src: src_h, src_offset: 1, len: 1 << 20, dst: &dst_desc, dst_offset: 0, imm: None, domains: DomainChoice::Shard(1) };
     assert!(matches!(a.submit_write(&bad, Box::new(|_| {})), Err(FabricError::InvalidArgument(_))));
     a.stop();
     a.stop();
@@ -82,6 +82,79 @@ fn shm_write_imm_and_message() {
 
 #[test]
 fn unknown_provider_is_a_typed_error() {
-    let config = EngineConfig { provider: ProviderSpec { provider: Some("no-such-provider".into()), domain: None }, ..Default::default() };
+    let config = EngineConfig { provider: ProviderSpec::new(Some("no-such-provider"), &[]), ..Default::default() };
     assert!(matches!(TransferEngine::new(config), Err(FabricError::ProviderUnavailable(_))));
+}
+
+/// Two loopback domains per engine (the tcp provider lists `lo` for IPv4 and IPv6 separately is
+/// not guaranteed, so both domains are `lo`): sharded single writes, paged writes, scatter and
+/// barrier each deliver exactly one immediate per target.
+#[test]
+fn two_domains_shard_and_count_one_imm_per_request() {
+    let mk = || {
+        TransferEngine::new(EngineConfig {
+            provider: ProviderSpec::new(Some("tcp"), &["lo", "lo"]),
+            poll_mode: PollMode::ADAPTIVE,
+            shard_min_bytes: 0,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let (a, b, c) = (mk(), mk(), mk());
+    assert_eq!(a.num_domains(), 2);
+    let mut src: Vec<u8> = (0..(4u32 << 20)).map(|i| (i % 251) as u8).collect();
+    let mut dst_b = vec![0u8; 4 << 20];
+    let mut dst_c = vec![0u8; 4 << 20];
+    let (src_h, _) = register(&a, &mut src);
+    let (_, desc_b) = register(&b, &mut dst_b);
+    let (_, desc_c) = register(&c, &mut dst_c);
+    let (tx, rx) = mpsc::channel();
+    let done = |tx: &mpsc::Sender<fabric_lib::Result<()>>| {
+        let tx = tx.clone();
+        Box::new(move |r| tx.send(r).unwrap()) as fabric_lib::OnDone
+    };
+
+    // Sharded single write: 1 MiB + 3 over both domains, one imm.
+    let req = WriteRequest { src: src_h, src_offset: 5, len: (1 << 20) + 3, dst: &desc_b, dst_offset: 7, imm: Some(1), domains: DomainChoice::Shard(2) };
+    a.submit_write(&req, done(&tx)).unwrap();
+    wait(&rx);
+    b.wait_imm_count(1, 1, Duration::from_secs(20)).unwrap();
+    assert_eq!(&dst_b[7..7 + (1 << 20) + 3], &src[5..5 + (1 << 20) + 3]);
+
+    // Paged write: 64 pages of 4 KiB, reversed order, one imm.
+    let src_pages: Vec<u32> = (0..64).collect();
+    let dst_pages: Vec<u32> = (0..64).rev().collect();
+    let paged = fabric_lib::PagedWriteRequest {
+        page_len: 4096, src: src_h, src_pages: &src_pages, src_stride: 4096, src_offset: 1,
+        dst: &desc_c, dst_pages: &dst_pages, dst_stride: 8192, dst_offset: 3, imm: Some(2),
+    };
+    a.submit_paged_writes(&paged, done(&tx)).unwrap();
+    wait(&rx);
+    c.wait_imm_count(2, 1, Duration::from_secs(20)).unwrap();
+    for (s, d) in src_pages.iter().zip(&dst_pages) {
+        let (s, d) = (*s as usize * 4096 + 1, *d as usize * 8192 + 3);
+        assert_eq!(&dst_c[d..d + 4096], &src[s..s + 4096]);
+    }
+    let bad = fabric_lib::PagedWriteRequest { dst_pages: &[0; 64][..], src_pages: &[4096; 64][..], ..paged };
+    assert!(matches!(a.submit_paged_writes(&bad, done(&tx)), Err(FabricError::InvalidArgument(_))));
+
+    // Scatter by bytes to two peers, and a barrier: one imm per target each.
+    let group = a.add_peer_group(&[b.main_address().clone(), c.main_address().clone()]).unwrap();
+    let targets = [
+        fabric_lib::ScatterTarget { len: 600_000, src_offset: 0, dst: &desc_b, dst_offset: 2 << 20 },
+        fabric_lib::ScatterTarget { len: 300_000, src_offset: 600_000, dst: &desc_c, dst_offset: 3 << 20 },
+    ];
+    a.submit_scatter(Some(group), src_h, &targets, Some(3), fabric_lib::ScatterSharding::ByBytes, done(&tx)).unwrap();
+    wait(&rx);
+    a.submit_barrier(4, group, done(&tx)).unwrap();
+    wait(&rx);
+    for e in [&b, &c] {
+        e.wait_imm_count(3, 1, Duration::from_secs(20)).unwrap();
+        e.wait_imm_count(4, 1, Duration::from_secs(20)).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(e.imm_count(3) + e.imm_count(4) + e.imm_count(1) + e.imm_count(2), 0, "no extra immediates");
+    }
+    assert_eq!(&dst_b[2 << 20..(2 << 20) + 600_000], &src[..600_000]);
+    assert_eq!(&dst_c[3 << 20..(3 << 20) + 300_000], &src[600_000..900_000]);
+    drop((a, b, c));
 }

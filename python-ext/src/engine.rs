@@ -2,7 +2,10 @@
 //! blocks, and forwards to `fabric_lib::TransferEngine`.
 use std::time::Duration;
 
-use fabric_lib::{EngineConfig, MemoryKind, MrHandle, PollMode, ProviderSpec, TransferEngine, WriteRequest};
+use fabric_lib::{
+    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, PollMode, ProviderSpec, ScatterSharding,
+    ScatterTarget, TransferEngine, WriteRequest,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -26,13 +29,14 @@ pub struct PyTransferEngine {
 #[pymethods]
 impl PyTransferEngine {
     #[new]
-    #[pyo3(signature = (provider=None, domain=None, worker_cpu=None, poll_mode="busy", transfer_timeout=30.0,
-                        command_timeout=10.0, max_message_size=65536, recv_buffers=64, send_buffers=64))]
+    #[pyo3(signature = (provider=None, domains=Vec::new(), worker_cpu=None, poll_mode="busy", transfer_timeout=30.0,
+                        command_timeout=10.0, max_message_size=65536, recv_buffers=64, send_buffers=64,
+                        shard_min_bytes=262144))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         provider: Option<String>,
-        domain: Option<String>,
+        domains: Vec<String>,
         worker_cpu: Option<usize>,
         poll_mode: &str,
         transfer_timeout: f64,
@@ -40,6 +44,7 @@ impl PyTransferEngine {
         max_message_size: usize,
         recv_buffers: usize,
         send_buffers: usize,
+        shard_min_bytes: u64,
     ) -> PyResult<Self> {
         let poll_mode = match poll_mode {
             "busy" => PollMode::Busy,
@@ -47,7 +52,8 @@ impl PyTransferEngine {
             other => return Err(PyValueError::new_err(format!("poll_mode must be 'busy' or 'adaptive', not {other:?}"))),
         };
         let config = EngineConfig {
-            provider: ProviderSpec { provider, domain },
+            provider: ProviderSpec { provider, domains },
+            shard_min_bytes,
             worker_cpu,
             poll_mode,
             transfer_timeout: duration(transfer_timeout, "transfer_timeout")?,
@@ -71,8 +77,8 @@ impl PyTransferEngine {
     }
 
     #[getter]
-    fn domain_name(&self) -> String {
-        self.engine.domain_name().to_string()
+    fn domain_names(&self) -> Vec<String> {
+        self.engine.domain_names().to_vec()
     }
 
     #[getter]
@@ -93,7 +99,8 @@ impl PyTransferEngine {
         py.detach(|| self.engine.unregister_memory(MrHandle(handle))).py(py)
     }
 
-    #[pyo3(signature = (src, src_offset, length, dst, dst_offset, imm, callback))]
+    /// `domain`: None shards over up to `shard_domains` domains; an int pins one domain.
+    #[pyo3(signature = (src, src_offset, length, dst, dst_offset, imm, callback, domain=None, shard_domains=usize::MAX))]
     #[allow(clippy::too_many_arguments)]
     fn submit_write(
         &self,
@@ -105,9 +112,12 @@ impl PyTransferEngine {
         dst_offset: u64,
         imm: Option<u32>,
         callback: Py<PyAny>,
+        domain: Option<usize>,
+        shard_domains: usize,
     ) -> PyResult<()> {
         let dst = &dst.0;
-        let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm };
+        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_write(&req, on_done)).py(py)
     }
@@ -116,6 +126,77 @@ impl PyTransferEngine {
         let dst = &dst.0;
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_imm(imm, dst, on_done)).py(py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit_paged_writes(
+        &self,
+        py: Python<'_>,
+        page_len: u64,
+        src: u64,
+        src_pages: Vec<u32>,
+        src_stride: u64,
+        src_offset: u64,
+        dst: PyRef<'_, PyMrDescriptor>,
+        dst_pages: Vec<u32>,
+        dst_stride: u64,
+        dst_offset: u64,
+        imm: Option<u32>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let dst = &dst.0;
+        let req = PagedWriteRequest {
+            page_len,
+            src: MrHandle(src),
+            src_pages: &src_pages,
+            src_stride,
+            src_offset,
+            dst,
+            dst_pages: &dst_pages,
+            dst_stride,
+            dst_offset,
+            imm,
+        };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)
+    }
+
+    fn submit_imm_to(&self, py: Python<'_>, imm: u32, peer: PyRef<'_, PyEngineAddress>, callback: Py<PyAny>) -> PyResult<()> {
+        let peer = &peer.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_imm_to(imm, peer, on_done)).py(py)
+    }
+
+    fn add_peer_group(&self, py: Python<'_>, peers: Vec<PyRef<'_, PyEngineAddress>>) -> PyResult<u64> {
+        let peers: Vec<_> = peers.iter().map(|p| p.0.clone()).collect();
+        self.engine.add_peer_group(&peers).py(py).map(|g| g.0)
+    }
+
+    /// `targets`: (length, src_offset, dst descriptor, dst_offset) tuples.
+    #[allow(clippy::too_many_arguments)]
+    fn submit_scatter(
+        &self,
+        py: Python<'_>,
+        group: Option<u64>,
+        src: u64,
+        targets: Vec<(u64, u64, PyRef<'_, PyMrDescriptor>, u64)>,
+        imm: Option<u32>,
+        by_bytes: bool,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let targets: Vec<ScatterTarget<'_>> = targets
+            .iter()
+            .map(|(len, src_offset, dst, dst_offset)| ScatterTarget { len: *len, src_offset: *src_offset, dst: &dst.0, dst_offset: *dst_offset })
+            .collect();
+        let sharding = if by_bytes { ScatterSharding::ByBytes } else { ScatterSharding::ByPeer };
+        let on_done = callbacks::on_done(callback);
+        let group = group.map(PeerGroup);
+        py.detach(|| self.engine.submit_scatter(group, MrHandle(src), &targets, imm, sharding, on_done)).py(py)
+    }
+
+    fn submit_barrier(&self, py: Python<'_>, imm: u32, group: u64, callback: Py<PyAny>) -> PyResult<()> {
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_barrier(imm, PeerGroup(group), on_done)).py(py)
     }
 
     fn submit_send(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>, data: Vec<u8>, callback: Py<PyAny>) -> PyResult<()> {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from . import _rust
 from ._futures import completion_future, guarded
@@ -47,13 +47,32 @@ def _as_address(peer: EngineAddress | bytes) -> EngineAddress:
     return peer if isinstance(peer, EngineAddress) else EngineAddress.from_bytes(bytes(peer))
 
 
+def _check_imm(imm: int | None) -> None:
+    if imm is not None and not 0 <= imm < 2**32:
+        raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
+
+
+def _check_non_negative(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
+
+
+def _page_list(pages: Sequence[int]) -> list[int]:
+    out = [int(p) for p in pages]
+    if any(not 0 <= p < 2**32 for p in out):
+        raise InvalidArgumentError("page indices must be in [0, 2**32)")
+    return out
+
+
 class TransferEngine:
     """Moves host memory to and from peer engines over a libfabric provider.
 
     Args:
         provider: libfabric provider ("tcp", "udp;ofi_rxd", "shm", "efa", "verbs;ofi_rxm");
             None picks an RDMA provider when present, else tcp on loopback.
-        domain: domain/interface name (e.g. "lo", "eth0"); None picks a sensible default.
+        domain: domain (NIC/interface) name, e.g. "lo" or "eth0", or a list of them to aggregate
+            several NICs (every peer must open the same number); None picks a default.
         worker_cpu: CPU to pin the worker thread to.
         poll_mode: "busy" (lowest latency, one core) or "adaptive" (spins, then sleeps when idle).
         transfer_timeout: seconds after which an unfinished request fails (dead peer).
@@ -64,7 +83,7 @@ class TransferEngine:
     def __init__(
         self,
         provider: str | None = None,
-        domain: str | None = None,
+        domain: str | Sequence[str] | None = None,
         *,
         worker_cpu: int | None = None,
         poll_mode: Literal["busy", "adaptive"] = "busy",
@@ -73,10 +92,12 @@ class TransferEngine:
         max_message_size: int = 65536,
         recv_buffers: int = 64,
         send_buffers: int = 64,
+        shard_min_bytes: int = 256 * 1024,
     ) -> None:
+        domains = [] if domain is None else [domain] if isinstance(domain, str) else list(domain)
         self._native = _rust.TransferEngine(
             provider,
-            domain,
+            domains,
             worker_cpu,
             poll_mode,
             transfer_timeout,
@@ -84,6 +105,7 @@ class TransferEngine:
             max_message_size,
             recv_buffers,
             send_buffers,
+            shard_min_bytes,
         )
         self._regions: dict[int, MemoryRegion] = {}
         self._lock = threading.Lock()
@@ -100,9 +122,18 @@ class TransferEngine:
         return self._native.provider
 
     @property
+    def domain_names(self) -> list[str]:
+        """The domains (NICs or interfaces) in use, in order."""
+        return self._native.domain_names
+
+    @property
     def domain_name(self) -> str:
-        """The domain (NIC or interface) in use."""
-        return self._native.domain_name
+        """The first domain's name."""
+        return self._native.domain_names[0]
+
+    @property
+    def num_domains(self) -> int:
+        return len(self._native.domain_names)
 
     # -- memory -----------------------------------------------------------------------------
     def register_tensor(self, tensor: Any) -> MemoryRegion:
@@ -152,32 +183,125 @@ class TransferEngine:
         src_offset: int = 0,
         dst_offset: int = 0,
         imm: int | None = None,
+        domain: int | None = None,
+        shard_domains: int | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Writes ``length`` bytes (default: all of ``src`` after ``src_offset``) into the peer
-        region ``dst`` at ``dst_offset``; with ``imm``, the peer counts the immediate once the
-        bytes are in place."""
+        region ``dst`` at ``dst_offset``; with ``imm``, the peer counts the immediate exactly once,
+        after the bytes are in place — however the write was sharded.
+
+        Large writes (≥ ``shard_min_bytes``) are sharded over up to ``shard_domains`` domains
+        (default: all); ``domain`` pins the write to one domain instead.
+        """
         if length is None:
             length = src.length - src_offset
-        if imm is not None and not 0 <= imm < 2**32:
-            raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
-        for name, value in (("length", length), ("src_offset", src_offset), ("dst_offset", dst_offset)):
-            if value < 0:
-                raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
+        _check_imm(imm)
+        _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
         future, callback = self._completion(on_done)
         self._native.submit_write(
-            src.handle, src_offset, length, _as_descriptor(dst), dst_offset, imm, callback
+            src.handle,
+            src_offset,
+            length,
+            _as_descriptor(dst),
+            dst_offset,
+            imm,
+            callback,
+            domain,
+            2**63 if shard_domains is None else shard_domains,
         )
         return future
 
-    def submit_imm(
-        self, imm: int, dst: MrDescriptor | bytes, *, on_done: OnDone | None = None
+    def submit_paged_writes(
+        self,
+        page_len: int,
+        src: MemoryRegion,
+        src_pages: Sequence[int],
+        dst: MrDescriptor | bytes,
+        dst_pages: Sequence[int],
+        *,
+        src_stride: int | None = None,
+        src_offset: int = 0,
+        dst_stride: int | None = None,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        on_done: OnDone | None = None,
     ) -> Future[None] | None:
-        """Sends only an immediate (a zero-byte write into ``dst``'s region)."""
-        if not 0 <= imm < 2**32:
-            raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
+        """Copies page ``src_pages[i]`` of ``src`` to page ``dst_pages[i]`` of ``dst`` for every i.
+
+        Page p of a side starts at ``p * stride + offset`` (stride defaults to ``page_len``).
+        Pages are spread over every domain; every index is checked before anything is posted.
+        ``imm`` arrives once at the receiver, after all pages.
+        """
+        _check_imm(imm)
+        _check_non_negative(page_len=page_len, src_offset=src_offset, dst_offset=dst_offset)
         future, callback = self._completion(on_done)
-        self._native.submit_imm(imm, _as_descriptor(dst), callback)
+        self._native.submit_paged_writes(
+            page_len,
+            src.handle,
+            _page_list(src_pages),
+            page_len if src_stride is None else src_stride,
+            src_offset,
+            _as_descriptor(dst),
+            _page_list(dst_pages),
+            page_len if dst_stride is None else dst_stride,
+            dst_offset,
+            imm,
+            callback,
+        )
+        return future
+
+    def add_peer_group(self, peers: Sequence[EngineAddress | bytes]) -> int:
+        """Registers peer engines for ``submit_scatter``/``submit_barrier``; returns the group id."""
+        return self._native.add_peer_group([_as_address(p) for p in peers])
+
+    def submit_scatter(
+        self,
+        src: MemoryRegion,
+        targets: Sequence[tuple[int, int, MrDescriptor | bytes, int]],
+        *,
+        imm: int | None = None,
+        group: int | None = None,
+        shard_by: Literal["peer", "bytes"] = "peer",
+        on_done: OnDone | None = None,
+    ) -> Future[None] | None:
+        """Writes ``(length, src_offset, dst, dst_offset)`` slices of ``src`` to several peers.
+
+        Each target's receiver counts ``imm`` once. ``shard_by="peer"`` puts each target on one
+        domain (rotating); ``"bytes"`` shards each target over all domains. With ``group``, every
+        target must belong to that peer group.
+        """
+        _check_imm(imm)
+        if shard_by not in ("peer", "bytes"):
+            raise InvalidArgumentError(f"shard_by must be 'peer' or 'bytes', not {shard_by!r}")
+        native_targets = []
+        for length, src_offset, dst, dst_offset in targets:
+            _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
+            native_targets.append((length, src_offset, _as_descriptor(dst), dst_offset))
+        future, callback = self._completion(on_done)
+        self._native.submit_scatter(group, src.handle, native_targets, imm, shard_by == "bytes", callback)
+        return future
+
+    def submit_barrier(self, imm: int, group: int, *, on_done: OnDone | None = None) -> Future[None] | None:
+        """Sends ``imm`` to every member of ``group``; each member counts it once."""
+        _check_imm(imm)
+        future, callback = self._completion(on_done)
+        self._native.submit_barrier(imm, group, callback)
+        return future
+
+    def submit_imm(
+        self, imm: int, dst: MrDescriptor | EngineAddress | bytes, *, on_done: OnDone | None = None
+    ) -> Future[None] | None:
+        """Sends only an immediate: a zero-byte write into ``dst``'s region, or into the peer
+        engine's own immediate slot when ``dst`` is an EngineAddress."""
+        _check_imm(imm)
+        if imm is None:
+            raise InvalidArgumentError("imm is required")
+        future, callback = self._completion(on_done)
+        if isinstance(dst, EngineAddress):
+            self._native.submit_imm_to(imm, dst, callback)
+        else:
+            self._native.submit_imm(imm, _as_descriptor(dst), callback)
         return future
 
     # -- two-sided --------------------------------------------------------------------------

@@ -1,1 +1,79 @@
-fn main() {}
+//! `fabric-debug`: a two-process benchmark and smoke test for fabric-lib.
+//!
+//! ```text
+//! fabric-debug server [--provider P] [--domain D] [--listen 127.0.0.1:PORT] [--busy|--adaptive]
+//! fabric-debug client --connect HOST:PORT [--provider P] [--sizes 4K,1M,...] [--window N] [--json]
+//! ```
+//!
+//! The two sides meet over a plain TCP bootstrap connection ([`bootstrap`]): the server sends
+//! its engine address and the descriptor of a registered receive buffer, the client answers
+//! with its own. The client then measures, against the server's buffer:
+//!
+//! - single-write throughput per size, `window` writes in flight ([`throughput`]);
+//! - the rate of small writes with immediates, verified by the server counting them;
+//! - immediate round-trip latency, p50/p99 ([`latency`]).
+//!
+//! Each measurement is the median of several timed repetitions after a warm-up. Output is a
+//! table, or one JSON object with `--json` ([`report`]). Bad input and failures end the process
+//! with a message and a nonzero exit status, never a panic.
+mod bootstrap;
+mod client;
+mod endpoint;
+mod error;
+mod latency;
+mod report;
+mod server;
+mod throughput;
+mod tracker;
+mod units;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Command line of the tool.
+#[derive(Parser, Debug)]
+#[command(name = "fabric-debug", version, about = "Benchmark and smoke-test fabric-lib between two processes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Register a receive buffer and serve one client session.
+    Server(server::ServerArgs),
+    /// Connect to a server and run the tests.
+    Client(client::ClientArgs),
+}
+
+fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let cli = Cli::parse();
+    let outcome = match &cli.command {
+        Command::Server(args) => server::run(args),
+        Command::Client(args) => client::run(args).and_then(|report| {
+            if args.json {
+                let text = serde_json::to_string(&report).map_err(|e| error::Error(format!("encoding JSON: {e}")))?;
+                println!("{text}");
+            } else {
+                print!("{}", report.table());
+            }
+            Ok(())
+        }),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let side = match cli.command {
+                Command::Server(_) => "server",
+                Command::Client(_) => "client",
+            };
+            eprintln!("fabric-debug {side}: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

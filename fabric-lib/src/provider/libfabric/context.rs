@@ -7,10 +7,10 @@ use libfabric_sys::fi_context2;
 pub enum OpKind {
     /// One posted write of `request`, reading from registered region `region` (0: scratch).
     Write { request: u64, region: u64 },
-    /// A posted send of `request` from send buffer `slot`.
-    Send { request: u64, slot: usize },
-    /// A posted receive buffer of the receive pool.
-    Recv { slot: usize },
+    /// A posted send of `request` from send buffer `slot` of `domain`.
+    Send { request: u64, slot: usize, domain: u16 },
+    /// A posted receive buffer `slot` of `domain`.
+    Recv { slot: usize, domain: u16 },
 }
 
 /// The context of one posted operation. `#[repr(C)]` so the provider's area comes first.

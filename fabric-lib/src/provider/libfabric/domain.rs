@@ -8,7 +8,7 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::context::OpContext;
-use super::info::{resolve, FabricInfo, ProviderSpec};
+use super::info::{resolve, DomainSpec, FabricInfo};
 use super::mr::LocalMr;
 use crate::error::{FabricError, Result};
 
@@ -86,7 +86,7 @@ fn check(call: &'static str, ret: i32) -> Result<()> {
 
 impl LibfabricDomain {
     /// Opens the domain named by `spec` and enables one endpoint on it.
-    pub fn open(spec: &ProviderSpec) -> Result<Self> {
+    pub fn open(spec: &DomainSpec) -> Result<Self> {
         let info = resolve(spec)?;
         let mut fids =
             DomainFids { fabric: ptr::null_mut(), domain: ptr::null_mut(), cq: ptr::null_mut(), av: ptr::null_mut(), ep: ptr::null_mut() };
@@ -187,7 +187,8 @@ impl LibfabricDomain {
         }
     }
 
-    /// Posts one RMA write (with an immediate when `imm` is set).
+    /// Posts one RMA write (with an immediate when `imm` is set). With `delivery_complete`, its
+    /// completion means the bytes are visible in the target's memory (FI_DELIVERY_COMPLETE).
     ///
     /// # Safety
     /// `local` must stay valid and registered (with `desc`) until the completion of `context`
@@ -202,15 +203,39 @@ impl LibfabricDomain {
         remote_addr: u64,
         key: u64,
         imm: Option<u32>,
+        delivery_complete: bool,
         context: *mut OpContext,
     ) -> Result<Posted> {
+        let ep = self.fids.ep;
+        let ctx = context as *mut c_void;
+        let buf = local as *const c_void;
+        if delivery_complete {
+            let iov = sys::iovec { iov_base: local as *mut c_void, iov_len: len };
+            let rma = sys::fi_rma_iov { addr: remote_addr, len, key };
+            let mut desc = desc;
+            let msg = sys::fi_msg_rma {
+                msg_iov: &iov,
+                desc: &mut desc,
+                iov_count: 1,
+                addr: dest,
+                rma_iov: &rma,
+                rma_iov_count: 1,
+                context: ctx,
+                data: imm.unwrap_or(0) as u64,
+            };
+            let mut flags = (sys::FI_DELIVERY_COMPLETE | sys::FI_COMPLETION) as u64;
+            if imm.is_some() {
+                flags |= sys::FI_REMOTE_CQ_DATA as u64;
+            }
+            // SAFETY: msg and the iovs it points to live across the call (the provider copies
+            // them); buffers and context per the caller's contract.
+            return Self::posted("fi_writemsg", unsafe { sys::shim_fi_writemsg(ep, &msg, flags) });
+        }
         // SAFETY: forwarded from the caller's contract; ep is enabled.
         let ret = unsafe {
             match imm {
-                Some(data) => sys::shim_fi_writedata(
-                    self.fids.ep, local as *const c_void, len, desc, data as u64, dest, remote_addr, key, context as *mut c_void,
-                ),
-                None => sys::shim_fi_write(self.fids.ep, local as *const c_void, len, desc, dest, remote_addr, key, context as *mut c_void),
+                Some(data) => sys::shim_fi_writedata(ep, buf, len, desc, data as u64, dest, remote_addr, key, ctx),
+                None => sys::shim_fi_write(ep, buf, len, desc, dest, remote_addr, key, ctx),
             }
         };
         Self::posted("fi_writedata", ret)

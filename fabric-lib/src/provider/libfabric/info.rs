@@ -11,15 +11,37 @@ const HARDWARE_PROVIDERS: [&str; 2] = ["efa", "verbs;ofi_rxm"];
 /// Interface used by software providers when none is named: loopback.
 const SOFTWARE_DEFAULT_DOMAIN: &str = "lo";
 
-/// Which provider and domain an engine should open.
+/// Which provider and domains (NICs) a device's engine should open.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ProviderSpec {
     /// Provider name as `fi_info -l` prints it (`tcp`, `udp;ofi_rxd`, `shm`, `efa`, ...);
     /// `None` picks an RDMA provider when one exists, else `tcp` on loopback.
     pub provider: Option<String>,
-    /// Domain name (NIC or interface, e.g. `lo`, `rdmap0s6-rdm`); `None` picks the first
-    /// (loopback for software providers).
+    /// Domain names (NICs or interfaces, e.g. `lo`, `rdmap0s6-rdm`), one domain each; empty
+    /// opens one default domain (loopback for software providers).
+    pub domains: Vec<String>,
+}
+
+/// One domain to open: a provider and an optional domain name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DomainSpec {
+    pub provider: Option<String>,
     pub domain: Option<String>,
+}
+
+impl ProviderSpec {
+    /// A spec for `provider` with the given domains.
+    pub fn new(provider: Option<&str>, domains: &[&str]) -> Self {
+        ProviderSpec { provider: provider.map(str::to_string), domains: domains.iter().map(|d| d.to_string()).collect() }
+    }
+
+    /// The domains to open, in order (at least one).
+    pub fn specs(&self) -> Vec<DomainSpec> {
+        if self.domains.is_empty() {
+            return vec![DomainSpec { provider: self.provider.clone(), domain: None }];
+        }
+        self.domains.iter().map(|d| DomainSpec { provider: self.provider.clone(), domain: Some(d.clone()) }).collect()
+    }
 }
 
 /// An owned `fi_info` (one entry, freed on drop).
@@ -167,10 +189,12 @@ unsafe fn libc_strdup(s: &CString) -> *mut std::os::raw::c_char {
 
 /// Lists the (provider, domain) pairs usable by an engine on this machine.
 pub fn list_providers() -> Vec<(String, String)> {
+    let mut seen = std::collections::BTreeSet::new();
     query(None)
         .unwrap_or_default()
         .iter()
         .map(|i| (i.provider_name(), i.domain_name()))
+        .filter(|pair| seen.insert(pair.clone()))
         .collect()
 }
 
@@ -179,7 +203,7 @@ fn is_software(provider: &str) -> bool {
 }
 
 /// Resolves a [`ProviderSpec`] to exactly one `fi_info`.
-pub fn resolve(spec: &ProviderSpec) -> Result<FabricInfo> {
+pub fn resolve(spec: &DomainSpec) -> Result<FabricInfo> {
     let provider = match &spec.provider {
         Some(p) => p.clone(),
         None => {

@@ -1,0 +1,84 @@
+//! Opening an engine from command-line options and registering the one buffer each side uses.
+use std::sync::Arc;
+
+use clap::Args;
+use fabric_lib::{EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, TransferEngine};
+
+use crate::error::{Context, Result};
+
+/// Engine options shared by the server and the client.
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// libfabric provider (`tcp`, `udp;ofi_rxd`, `shm`, `efa`, ...); default: an RDMA provider
+    /// if one exists, else `tcp`.
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// Domain (NIC or interface); default: `lo` for software providers, else the first.
+    #[arg(long)]
+    pub domain: Option<String>,
+    /// Busy-poll the completion queue (the default: lowest latency, one core per worker).
+    #[arg(long, conflicts_with = "adaptive")]
+    pub busy: bool,
+    /// Spin briefly, then park the worker between polls (saves CPU, adds latency).
+    #[arg(long)]
+    pub adaptive: bool,
+    /// Pin the engine's worker thread to this CPU.
+    #[arg(long)]
+    pub worker_cpu: Option<usize>,
+}
+
+impl EngineArgs {
+    /// The poll mode the flags select.
+    pub fn poll_mode(&self) -> PollMode {
+        if self.adaptive {
+            PollMode::ADAPTIVE
+        } else {
+            PollMode::Busy
+        }
+    }
+
+    /// A short name of the poll mode, for reports.
+    pub fn poll_mode_name(&self) -> &'static str {
+        if self.adaptive {
+            "adaptive"
+        } else {
+            "busy"
+        }
+    }
+}
+
+/// An engine plus one registered buffer. The buffer is leaked on purpose: it must outlive the
+/// engine, and the engine may still be referenced by callbacks when this value is dropped.
+pub struct Endpoint {
+    pub engine: Arc<TransferEngine>,
+    pub handle: MrHandle,
+    pub descriptor: MrDescriptor,
+    pub len: u64,
+}
+
+impl Endpoint {
+    /// Opens the engine the options describe and registers a `len`-byte buffer (touched, so no
+    /// page faults land inside a measurement).
+    pub fn open(args: &EngineArgs, len: usize) -> Result<Self> {
+        let config = EngineConfig {
+            provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain.iter().cloned().collect() },
+            poll_mode: args.poll_mode(),
+            worker_cpu: args.worker_cpu,
+            ..Default::default()
+        };
+        let wanted = args.provider.as_deref().unwrap_or("<auto>");
+        let engine = TransferEngine::new(config).with_context(|| format!("opening provider '{wanted}'"))?;
+        let buffer: &'static mut [u8] = Box::leak(vec![0x5au8; len.max(1)].into_boxed_slice());
+        // SAFETY: the buffer is leaked, so it stays allocated for the rest of the process and
+        // therefore until the engine has unregistered it (or stopped).
+        let (handle, descriptor) = unsafe { engine.register_memory(buffer.as_mut_ptr(), buffer.len(), MemoryKind::Host) }
+            .with_context(|| format!("registering a {len}-byte buffer"))?;
+        Ok(Endpoint { engine: Arc::new(engine), handle, descriptor, len: len as u64 })
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.engine.stop();
+    }
+}

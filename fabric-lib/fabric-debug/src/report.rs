@@ -1,0 +1,135 @@
+//! Results of a client run: plain structs that print as a table or serialize as one JSON object.
+use serde::Serialize;
+
+use crate::units::format_size;
+
+/// Single-write throughput at one size.
+#[derive(Serialize, Debug, Clone)]
+pub struct Throughput {
+    /// Bytes per write.
+    pub size: u64,
+    /// Writes kept in flight.
+    pub window: u64,
+    /// Writes per repetition.
+    pub writes_per_rep: u64,
+    /// Median over repetitions, in 10^9 bytes per second.
+    pub gbytes_per_s: f64,
+    /// The same in 10^9 bits per second.
+    pub gbits_per_s: f64,
+    /// Every repetition, GB/s.
+    pub samples_gbytes_per_s: Vec<f64>,
+}
+
+/// Small-write operation rate.
+#[derive(Serialize, Debug, Clone)]
+pub struct OpRate {
+    pub size: u64,
+    pub window: u64,
+    pub writes_per_rep: u64,
+    /// Median over repetitions, in millions of writes per second.
+    pub mops_per_s: f64,
+    pub samples_mops_per_s: Vec<f64>,
+    /// The server counted every immediate of the test.
+    pub verified: bool,
+}
+
+/// Immediate round-trip latency (client imm -> server -> imm back), microseconds.
+#[derive(Serialize, Debug, Clone)]
+pub struct Latency {
+    pub iters: u64,
+    /// `block` (wait_imm_count) or `spin` (polling imm_count).
+    pub wait: String,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub min_us: f64,
+    pub mean_us: f64,
+    pub max_us: f64,
+}
+
+/// Everything one client run measured.
+#[derive(Serialize, Debug, Clone)]
+pub struct Report {
+    pub tool: &'static str,
+    pub provider: String,
+    pub domain: String,
+    pub poll_mode: &'static str,
+    pub reps: u64,
+    pub throughput: Vec<Throughput>,
+    pub op_rate: Option<OpRate>,
+    pub rtt: Option<Latency>,
+    /// Which immediates the server verified (phase -> count).
+    pub verified_imms: Vec<(String, u64)>,
+}
+
+/// Median of `v` (empty: 0).
+pub fn median(v: &[f64]) -> f64 {
+    percentile(v, 50.0)
+}
+
+/// Nearest-rank percentile of `v` (empty: 0).
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * s.len() as f64).ceil() as usize;
+    s[rank.clamp(1, s.len()) - 1]
+}
+
+impl Report {
+    /// The human-readable form.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "fabric-debug: provider {} domain {} poll {} (median of {} reps)\n",
+            self.provider, self.domain, self.poll_mode, self.reps
+        );
+        if !self.throughput.is_empty() {
+            out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "size", "window", "writes", "GB/s", "Gbps");
+            for t in &self.throughput {
+                out += &format!(
+                    "{:>10} {:>7} {:>9} {:>10.3} {:>10.2}\n",
+                    format_size(t.size),
+                    t.window,
+                    t.writes_per_rep,
+                    t.gbytes_per_s,
+                    t.gbits_per_s
+                );
+            }
+        }
+        if let Some(o) = &self.op_rate {
+            out += &format!(
+                "\nop rate: {} writes with imm, window {}: {:.3} Mops/s (verified: {})\n",
+                format_size(o.size),
+                o.window,
+                o.mops_per_s,
+                o.verified
+            );
+        }
+        if let Some(l) = &self.rtt {
+            out += &format!(
+                "imm round trip ({} iters, {} wait): p50 {:.1} us, p99 {:.1} us (min {:.1}, mean {:.1}, max {:.1})\n",
+                l.iters, l.wait, l.p50_us, l.p99_us, l.min_us, l.mean_us, l.max_us
+            );
+        }
+        for (phase, n) in &self.verified_imms {
+            out += &format!("server counted all {n} immediates of the {phase} phase\n");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(median(&v), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&[3.0], 99.0), 3.0);
+        assert_eq!(median(&[]), 0.0);
+        assert_eq!(median(&[5.0, 1.0, 3.0]), 3.0);
+    }
+}

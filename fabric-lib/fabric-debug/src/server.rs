@@ -1,0 +1,136 @@
+//! The server side: registers a receive buffer, hands its address and descriptor to one
+//! client, then follows the client's control messages until it says `Done`.
+use std::io::Write;
+use std::net::TcpListener;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use clap::Args;
+use fabric_lib::{EngineAddress, MrDescriptor, TransferEngine};
+
+use crate::bootstrap::{Channel, Control};
+use crate::endpoint::{EngineArgs, Endpoint};
+use crate::error::{Context, Result};
+use crate::units::size_arg;
+
+/// `fabric-debug server` options.
+#[derive(Args, Debug)]
+pub struct ServerArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Bootstrap address to listen on (port 0: any free port; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:18515")]
+    pub listen: String,
+    /// Receive buffer size (the largest write a client may make).
+    #[arg(long, default_value = "64MiB", value_parser = size_arg)]
+    pub buffer_size: u64,
+    /// Seconds to wait for a client to connect.
+    #[arg(long, default_value_t = 600)]
+    pub accept_timeout: u64,
+    /// Seconds to wait for the client's next control message (covers the longest test phase).
+    #[arg(long, default_value_t = 600)]
+    pub idle_timeout: u64,
+    /// Seconds to wait for the immediates a client announced before reporting a mismatch.
+    #[arg(long, default_value_t = 30)]
+    pub verify_timeout: u64,
+}
+
+/// Runs one client session, then returns.
+pub fn run(args: &ServerArgs) -> Result<()> {
+    let ep = Endpoint::open(&args.engine, args.buffer_size as usize)?;
+    let listener = TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    let bound = listener.local_addr().context("reading the listening address")?;
+    println!("READY {bound} provider={} domain={}", ep.engine.provider(), ep.engine.domain_names().join(","));
+    std::io::stdout().flush().context("writing to stdout")?;
+
+    let mut ch = Channel::accept(&listener, Duration::from_secs(args.accept_timeout), Duration::from_secs(args.idle_timeout))?;
+    ch.send(&Control::hello(ep.engine.main_address(), &ep.descriptor))?;
+    let (client, client_mr) = ch.recv()?.into_peer().context("client hello")?;
+    eprintln!("fabric-debug server: client {} connected ({} region)", ch.peer(), client_mr.len);
+    let client_mr = Arc::new(client_mr);
+    let verify_timeout = Duration::from_secs(args.verify_timeout);
+    loop {
+        match ch.recv()? {
+            Control::Expect { imm, count, fence } => {
+                let verdict = verify(&ep.engine, imm, count, fence, verify_timeout);
+                if let Control::Reply { ok: false, message } = &verdict {
+                    eprintln!("fabric-debug server: verification failed: {message}");
+                }
+                send_verdict(&ep.engine, &client, verdict)?;
+            }
+            Control::Echo { ping, pong, count } => {
+                arm_echo(Arc::downgrade(&ep.engine), client_mr.clone(), ping, pong, count)?;
+                ch.send(&Control::Reply { ok: true, message: format!("echoing {count} pings") })?;
+            }
+            Control::Done => {
+                ch.send(&Control::Reply { ok: true, message: "bye".into() })?;
+                eprintln!("fabric-debug server: session done");
+                return Ok(());
+            }
+            other => crate::bail!("unexpected control message from the client: {other:?}"),
+        }
+    }
+}
+
+/// Waits for `count` arrivals of `imm`, then the fence; reports the outcome as a reply.
+fn verify(engine: &TransferEngine, imm: u32, count: u64, fence: u32, timeout: Duration) -> Control {
+    let result = engine
+        .wait_imm_count(imm, count, timeout)
+        .map_err(|e| format!("immediate {imm}: {e} (count now {})", engine.imm_count(imm)))
+        .and_then(|()| engine.wait_imm_count(fence, 1, timeout).map_err(|e| format!("fence {fence}: {e}")));
+    match result {
+        Ok(()) => {
+            let surplus = engine.imm_count(imm);
+            if surplus == 0 {
+                Control::Reply { ok: true, message: format!("counted {count} of immediate {imm}") }
+            } else {
+                Control::Reply { ok: false, message: format!("immediate {imm}: {surplus} more than the {count} expected") }
+            }
+        }
+        Err(message) => Control::Reply { ok: false, message },
+    }
+}
+
+/// Sends the verdict to the client over the fabric (a two-sided message).
+fn send_verdict(engine: &TransferEngine, client: &EngineAddress, verdict: Control) -> Result<()> {
+    engine
+        .submit_send(
+            client,
+            verdict.to_bytes(),
+            Box::new(|r| {
+                if let Err(e) = r {
+                    eprintln!("fabric-debug server: sending a verdict failed: {e}");
+                }
+            }),
+        )
+        .context("sending the verdict message")
+}
+
+/// Answers the next `remaining` arrivals of `ping` with `pong`, re-arming the expectation from
+/// its own callback. Holds the engine weakly so the chain never keeps it alive.
+fn arm_echo(engine: Weak<TransferEngine>, dst: Arc<MrDescriptor>, ping: u32, pong: u32, remaining: u64) -> Result<()> {
+    if remaining == 0 {
+        return Ok(());
+    }
+    let Some(strong) = engine.upgrade() else { return Ok(()) };
+    strong
+        .set_imm_count_expected(
+            ping,
+            1,
+            Box::new(move || {
+                let Some(e) = engine.upgrade() else { return };
+                let on_done = Box::new(|r: fabric_lib::Result<()>| {
+                    if let Err(err) = r {
+                        eprintln!("fabric-debug server: pong failed: {err}");
+                    }
+                });
+                if let Err(err) = e.submit_imm(pong, &dst, on_done) {
+                    eprintln!("fabric-debug server: posting a pong failed: {err}");
+                }
+                if let Err(err) = arm_echo(engine, dst, ping, pong, remaining - 1) {
+                    eprintln!("fabric-debug server: re-arming the echo failed: {err}");
+                }
+            }),
+        )
+        .context("arming the echo expectation")
+}

@@ -1,0 +1,141 @@
+//! How one request is cut into posted operations across the N domains of a device.
+//!
+//! Pure functions, so the rules are testable without a network. The immediate contract that
+//! follows from them (see [`plan_imms`]): **a request delivers each of its immediates exactly once
+//! per target peer, however many operations it was cut into.** Single-operation targets carry the
+//! immediate on their data; multi-operation targets get one zero-byte immediate after all data was
+//! delivered (FI_DELIVERY_COMPLETE), so a receiver never has to know how the sender sharded.
+
+/// Shards of a single write are multiples of this many bytes (except the last).
+pub const SHARD_ALIGN: u64 = 8 * 1024;
+
+/// One posted data operation of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// Index of the target peer within the request.
+    pub peer: u32,
+    /// Local domain (and, as all peers have the same N, the peer's domain) to use.
+    pub domain: u16,
+    pub src_offset: u64,
+    pub len: u64,
+    pub dst_offset: u64,
+    /// The immediate carried by this very operation (single-operation targets only).
+    pub imm: Option<u32>,
+}
+
+/// A zero-byte immediate write posted once every data shard of the request was delivered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeferredImm {
+    pub peer: u32,
+    pub domain: u16,
+    pub imm: u32,
+}
+
+/// Which domains a single write may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DomainChoice {
+    /// Shard over up to `k` domains (clamped to 1..=N), starting at a rotating domain.
+    Shard(usize),
+    /// All bytes on this one domain.
+    Pinned(usize),
+}
+
+/// Splits `len` bytes over `k` domains starting at `start`: (domain, offset, len) pieces, each a
+/// multiple of [`SHARD_ALIGN`] except the last. Writes under `min_shard_len` stay whole.
+pub fn split_bytes(len: u64, n_domains: usize, k: usize, start: usize, min_shard_len: u64) -> Vec<(usize, u64, u64)> {
+    let n = n_domains.max(1);
+    let k = k.clamp(1, n) as u64;
+    if k == 1 || len < min_shard_len.max(2 * SHARD_ALIGN) {
+        return vec![(start % n, 0, len)];
+    }
+    let per = len.div_ceil(k).div_ceil(SHARD_ALIGN) * SHARD_ALIGN;
+    let mut out = Vec::with_capacity(k as usize);
+    let mut offset = 0;
+    while offset < len {
+        let piece = per.min(len - offset);
+        out.push(((start + out.len()) % n, offset, piece));
+        offset += piece;
+    }
+    out
+}
+
+/// Moves each target's immediate onto its data when that target has exactly one shard, and
+/// returns the immediates that must be sent after all data was delivered.
+pub fn plan_imms(shards: &mut [Shard], imm_per_peer: &[Option<u32>]) -> Vec<DeferredImm> {
+    let mut count = vec![0usize; imm_per_peer.len()];
+    let mut first_domain = vec![0u16; imm_per_peer.len()];
+    for s in shards.iter() {
+        let p = s.peer as usize;
+        if count[p] == 0 {
+            first_domain[p] = s.domain;
+        }
+        count[p] += 1;
+    }
+    for s in shards.iter_mut() {
+        s.imm = if count[s.peer as usize] == 1 { imm_per_peer[s.peer as usize] } else { None };
+    }
+    imm_per_peer
+        .iter()
+        .enumerate()
+        .filter_map(|(p, imm)| {
+            let imm = (*imm)?;
+            (count[p] != 1).then_some(DeferredImm { peer: p as u32, domain: first_domain[p], imm })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn total(pieces: &[(usize, u64, u64)]) -> u64 {
+        pieces.iter().map(|p| p.2).sum()
+    }
+
+    #[test]
+    fn small_or_unsharded_writes_stay_whole() {
+        assert_eq!(split_bytes(1000, 4, 4, 6, 0), vec![(2, 0, 1000)]);
+        assert_eq!(split_bytes(1 << 20, 4, 1, 1, 0), vec![(1, 0, 1 << 20)]);
+        assert_eq!(split_bytes(0, 2, 2, 0, 0), vec![(0, 0, 0)]);
+    }
+
+    #[test]
+    fn shards_are_aligned_cover_everything_and_rotate() {
+        for len in [16 * 1024, 100_000, (1 << 20) + 3, 64 << 20] {
+            for n in 1..=4 {
+                for start in 0..4 {
+                    let p = split_bytes(len, n, n, start, 0);
+                    assert_eq!(total(&p), len, "len {len} n {n}");
+                    assert!(p.len() <= n);
+                    let mut expect = 0;
+                    for (i, (d, off, l)) in p.iter().enumerate() {
+                        assert_eq!(*off, expect);
+                        expect += l;
+                        assert_eq!(*d, (start + i) % n);
+                        if i + 1 < p.len() {
+                            assert_eq!(l % SHARD_ALIGN, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_logical_imm_per_target() {
+        let mk = |peer, domain| Shard { peer, domain, src_offset: 0, len: 1, dst_offset: 0, imm: None };
+        let mut shards = vec![mk(0, 0), mk(1, 1), mk(1, 0), mk(2, 1)];
+        let deferred = plan_imms(&mut shards, &[Some(5), Some(6), None]);
+        assert_eq!(shards[0].imm, Some(5));
+        assert_eq!(shards[1].imm, None);
+        assert_eq!(shards[2].imm, None);
+        assert_eq!(shards[3].imm, None);
+        assert_eq!(deferred, vec![DeferredImm { peer: 1, domain: 1, imm: 6 }]);
+    }
+
+    #[test]
+    fn target_without_shards_still_gets_its_imm() {
+        let deferred = plan_imms(&mut [], &[Some(9)]);
+        assert_eq!(deferred, vec![DeferredImm { peer: 0, domain: 0, imm: 9 }]);
+    }
+}

@@ -1,0 +1,195 @@
+"""Transfers between separate OS processes over each loopback provider.
+
+Per provider, three long-lived peer processes (two senders, one receiver; see ``mp_helpers``)
+are started once and driven over Pipes by:
+
+- a hypothesis property test: random batches of writes (0 B .. 1 MiB, unaligned offsets, random
+  32-bit immediates shared by several writes and by both senders, imm-only requests) where the
+  receiver checks every byte of its buffer against the one it rebuilds from the plan and the
+  seeds, and every imm count exactly (no missing, no extra arrivals);
+- 100k small writes with immediates under a bounded window: exact counts, final bytes, and
+  stable RSS in both processes;
+- two-sided messages of random sizes up to ``max_message_size`` from both senders, all received
+  intact (as a multiset: order is not assumed).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mp_helpers as mh
+
+SRC_SIZE = 2 << 20  # each sender's buffer
+DST_SIZE = 16 << 20  # the receiver's buffer
+MAX_WRITE = 1 << 20
+MAX_OPS = 12  # 12 * (1 MiB + gap) < DST_SIZE
+SRC_SEEDS = {0: 1001, 1: 1002}
+INIT_SEED = 2024
+MAX_MESSAGE = 65536
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", params=mh.provider_params())
+def trio(request: pytest.FixtureRequest):
+    """Two senders and a receiver on one provider, alive for the whole module."""
+    with mh.peers(
+        request.param,
+        ["tx0", "tx1", "rx"],
+        buf_size=[SRC_SIZE, SRC_SIZE, DST_SIZE],
+        engine_kwargs={"transfer_timeout": 30.0, "max_message_size": MAX_MESSAGE},
+    ) as (tx0, tx1, rx):
+        mh.gather([(tx0, "fill", {"seed": SRC_SEEDS[0]}), (tx1, "fill", {"seed": SRC_SEEDS[1]})])
+        yield tx0, tx1, rx
+
+
+# -- 1. property test: random write batches, every byte and every count ------------------------
+sizes = st.one_of(
+    st.just(0),
+    st.integers(1, 64),
+    st.integers(65, 64 << 10),
+    st.integers((64 << 10) + 1, MAX_WRITE),
+)
+
+
+@st.composite
+def write_plans(draw: st.DrawFn) -> tuple[list[int], list[mh.WriteOp]]:
+    """(imms, ops): ops are (sender, src_offset, dst_offset, length|None, imm) in submission
+    order; destination ranges never overlap (overlapping writes are unordered, so their result
+    would be undefined), sources may."""
+    imms = draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4, unique=True))
+    n = draw(st.integers(1, MAX_OPS))
+    laid_out: list[mh.WriteOp] = []
+    cursor = 0
+    for _ in range(n):
+        sender = draw(st.integers(0, 1))
+        imm = draw(st.sampled_from(imms))
+        if draw(st.integers(0, 9)) == 0:
+            laid_out.append((sender, 0, 0, None, imm))  # imm only
+            continue
+        length = draw(sizes)
+        src_off = draw(st.integers(0, SRC_SIZE - length))
+        dst_off = cursor + draw(st.integers(0, 4095))
+        laid_out.append((sender, src_off, dst_off, length, imm))
+        cursor = dst_off + length
+    if draw(st.booleans()):  # push the layout against the end of the region
+        shift = DST_SIZE - cursor
+        laid_out = [(s, so, do + shift if ln is not None else 0, ln, i) for s, so, do, ln, i in laid_out]
+    order = draw(st.permutations(range(len(laid_out))))
+    return imms, [laid_out[i] for i in order]
+
+
+_last_imms: dict[str, list[int]] = {}
+
+
+@pytest.mark.timeout(300)
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+@given(plan=write_plans())
+def test_random_write_batches_land_exactly(trio, plan) -> None:
+    tx0, tx1, rx = trio
+    imms, ops = plan
+    assert all(op[3] is None or op[2] + op[3] <= DST_SIZE for op in ops)
+    # Nothing may have arrived since the previous example was checked (late duplicates).
+    stale = rx.call("clear_imms", imms=sorted(set(_last_imms.pop(rx.provider, [])) | set(imms)))
+    assert stale == {}, f"immediates arrived after their example was checked: {stale}"
+    rx.call("fill", seed=INIT_SEED)
+    results = mh.gather(
+        [
+            (tx0, "write_plan", {"dst": rx.descriptor, "ops": ops, "sender": 0}),
+            (tx1, "write_plan", {"dst": rx.descriptor, "ops": ops, "sender": 1}),
+            (
+                rx,
+                "check_plan",
+                {"ops": ops, "init_seed": INIT_SEED, "src_seeds": SRC_SEEDS, "src_size": SRC_SIZE, "timeout": 30.0},
+            ),
+        ],
+        timeout=90,
+    )
+    check = results[2]
+    assert check["mismatch"] is None, f"bytes differ: {check['mismatch']} (ops {ops})"
+    assert all(v == 0 for v in check["leftover"].values()), f"extra immediates: {check['leftover']}"
+    _last_imms[rx.provider] = imms
+
+
+# -- 2. 100k small writes: exact counts, bytes, stable memory -----------------------------------
+FLOOD_IMMS = list(range(0xF100, 0xF110))
+FLOOD_SIZE = 64
+FLOOD_SLOTS = 4096
+
+
+def _flood(tx, rx, count: int) -> dict:
+    per_imm = {imm: count // len(FLOOD_IMMS) + (1 if i < count % len(FLOOD_IMMS) else 0) for i, imm in enumerate(FLOOD_IMMS)}
+    sent, leftover = mh.gather(
+        [
+            (
+                tx,
+                "flood",
+                {
+                    "dst": rx.descriptor,
+                    "count": count,
+                    "size": FLOOD_SIZE,
+                    "slots": FLOOD_SLOTS,
+                    "imms": FLOOD_IMMS,
+                    "max_inflight": 512,
+                    "timeout": 120.0,
+                },
+            ),
+            (rx, "wait_imms", {"counts": per_imm, "timeout": 120.0, "settle": 0.2}),
+        ],
+        timeout=150,
+    )
+    assert sent["errors"] == 0 and sent["ok"] == count, sent
+    assert leftover == {imm: 0 for imm in FLOOD_IMMS}, f"extra immediates: {leftover}"
+    return sent
+
+
+@pytest.mark.timeout(240)
+def test_100k_small_writes_exact_counts_and_stable_memory(trio) -> None:
+    tx0, _, rx = trio
+    assert rx.call("clear_imms", imms=FLOOD_IMMS) == {}
+    rx.call("fill", value=0)
+    _flood(tx0, rx, 10_000)  # warm-up: connections, buffers, allocator pools
+    base_tx, base_rx = tx0.call("rss"), rx.call("rss")
+    sent = _flood(tx0, rx, 100_000)
+    end_tx, end_rx = tx0.call("rss"), rx.call("rss")
+    span = FLOOD_SLOTS * FLOOD_SIZE
+    assert rx.call("check_bytes", offset=0, length=span, seed=SRC_SEEDS[0], seed_size=SRC_SIZE) == 0
+    assert rx.call("check_bytes", offset=span, length=MiB, seed=None, value=0) == 0
+    growth = {"sender": (end_tx - base_tx) / MiB, "receiver": (end_rx - base_rx) / MiB}
+    print(f"100k writes in {sent['elapsed']:.2f}s; RSS growth MiB: {growth}")
+    assert growth["sender"] < 50 and growth["receiver"] < 50, growth
+
+
+# -- 3. two-sided messages ----------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed", [7])
+def test_messages_of_random_sizes_arrive_intact(trio, seed: int) -> None:
+    tx0, tx1, rx = trio
+    count = 400
+    rx.call("collect_messages", seed=seed, counts={}, max_size=MAX_MESSAGE, timeout=0, settle=0)  # drain
+    results = mh.gather(
+        [
+            (tx0, "send_messages", {"peer": rx.address, "seed": seed, "sender": 0, "count": count, "max_size": MAX_MESSAGE}),
+            (tx1, "send_messages", {"peer": rx.address, "seed": seed, "sender": 1, "count": count, "max_size": MAX_MESSAGE}),
+            (rx, "collect_messages", {"seed": seed, "counts": {0: count, 1: count}, "max_size": MAX_MESSAGE, "timeout": 60.0}),
+        ],
+        timeout=120,
+    )
+    got = results[2]
+    assert got == {"received": 2 * count, "expected": 2 * count, "missing": 0, "unexpected": 0}, got
+
+
+@pytest.mark.timeout(120)
+def test_message_size_limit_between_processes(trio) -> None:
+    tx0, _, rx = trio
+    rx.call("take_messages", count=0, timeout=0)  # drain
+    with pytest.raises(mh.PeerError, match="InvalidArgumentError"):
+        tx0.call("send_raw", peer=rx.address, size=MAX_MESSAGE + 1)
+    tx0.call("send_raw", peer=rx.address, size=MAX_MESSAGE)
+    assert rx.call("take_messages", count=1) == [mh.digest(b"\xab" * MAX_MESSAGE)]
