@@ -37,6 +37,11 @@ impl DomainState {
         Ok(state)
     }
 
+    /// Addresses of this domain's receive contexts, by slot (to recognise them in completions).
+    pub fn recv_context_addresses(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.recv_contexts.iter().enumerate().map(|(slot, c)| (&**c as *const OpContext as usize, slot))
+    }
+
     /// (key, remote base) of the scratch slot: the target of immediates sent to this engine.
     pub fn imm_target(&self) -> (u64, u64) {
         (self.scratch.key(), self.scratch.remote_base())

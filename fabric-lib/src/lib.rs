@@ -20,6 +20,7 @@ mod domain_state;
 mod msg_buffers;
 pub mod provider;
 pub mod sharding;
+pub mod topology;
 mod transfers;
 mod worker;
 

@@ -155,6 +155,10 @@ struct Worker {
     /// Messages waiting for a free send buffer (request, peer, bytes).
     waiting_sends: VecDeque<(u64, u64, Vec<u8>)>,
     outstanding: HashSet<usize>,
+    /// Receive contexts by address: (domain, slot). Completions are only ever matched against
+    /// these and `outstanding`; an unknown pointer (e.g. the undefined op_context of a remote
+    /// write completion) is never dereferenced.
+    recv_contexts: HashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
     imm_batch: HashMap<u32, u32>,
 
@@ -175,7 +179,13 @@ impl Worker {
         if providers.len() != 1 {
             return Err(FabricError::InvalidArgument(format!("all domains of a device must use one provider, got {providers:?}")));
         }
+        let recv_contexts = domains
+            .iter()
+            .enumerate()
+            .flat_map(|(d, state)| state.recv_context_addresses().map(move |(addr, slot)| (addr, (d as u16, slot))))
+            .collect();
         Ok(Worker {
+            recv_contexts,
             rx,
             imm,
             callbacks,
@@ -490,7 +500,7 @@ impl Worker {
                     self.deliver(msg);
                 }
                 Some(kind) => self.finish_op(kind, Ok(())),
-                None => tracing::warn!("completion without a context"),
+                None => tracing::warn!("completion with an unknown context"),
             },
             Completion::RemoteImm { imm, context } => {
                 *self.imm_batch.entry(imm).or_default() += 1;
@@ -504,24 +514,22 @@ impl Worker {
                     self.domains[domain as usize].recv_to_post.push(slot);
                 }
                 Some(kind) => self.finish_op(kind, Err(FabricError::TransferFailed(message))),
-                None => tracing::warn!("completion error without a context: {message}"),
+                None => tracing::warn!("completion error with an unknown context: {message}"),
             },
         }
     }
 
-    /// Reads a completed context's kind, freeing request contexts (receive contexts are reused).
+    /// Identifies a completed context: a request context (freed here) or a receive context
+    /// (reused). Anything else is not ours and is ignored.
     fn take_context(&mut self, context: *mut OpContext) -> Option<OpKind> {
-        if context.is_null() {
-            return None;
+        let addr = context as usize;
+        if self.outstanding.remove(&addr) {
+            // SAFETY: `outstanding` holds exactly the request contexts we leaked with
+            // Box::into_raw and have not freed; removing it first makes this the only free.
+            let boxed = unsafe { Box::from_raw(context) };
+            return Some(boxed.kind);
         }
-        // SAFETY: every non-null context we get back is one we posted and have not freed.
-        let kind = unsafe { (*context).kind };
-        if !matches!(kind, OpKind::Recv { .. }) {
-            self.outstanding.remove(&(context as usize));
-            // SAFETY: request contexts come from Box::into_raw and complete exactly once.
-            drop(unsafe { Box::from_raw(context) });
-        }
-        Some(kind)
+        self.recv_contexts.get(&addr).map(|&(domain, slot)| OpKind::Recv { slot, domain })
     }
 
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {

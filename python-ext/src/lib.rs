@@ -13,6 +13,13 @@ fn list_providers(py: Python<'_>) -> Vec<(String, String)> {
     py.detach(fabric_lib::list_providers)
 }
 
+/// The host topology (GPUs, NICs, NUMA nodes, physical cores) as JSON.
+#[pyfunction]
+fn detect_topology_json(py: Python<'_>) -> String {
+    let topo = py.detach(|| fabric_lib::topology::detect(std::path::Path::new("/")));
+    serde_json::to_string(&topo).expect("topology is plain data")
+}
+
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = tracing_subscriber::fmt()
@@ -23,6 +30,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::PyEngineAddress>()?;
     m.add_class::<values::PyMrDescriptor>()?;
     m.add_function(wrap_pyfunction!(list_providers, m)?)?;
+    m.add_function(wrap_pyfunction!(detect_topology_json, m)?)?;
     m.add("ENCODING_VERSION", fabric_lib::ENCODING_VERSION)?;
     Ok(())
 }

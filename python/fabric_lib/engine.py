@@ -16,6 +16,7 @@ from . import _rust
 from ._futures import completion_future, guarded
 from .errors import InvalidArgumentError
 from .imm_counter import ImmCounter
+from .topology import Topology, detect_topology
 
 EngineAddress = _rust.EngineAddress
 MrDescriptor = _rust.MrDescriptor
@@ -73,7 +74,8 @@ class TransferEngine:
             None picks an RDMA provider when present, else tcp on loopback.
         domain: domain (NIC/interface) name, e.g. "lo" or "eth0", or a list of them to aggregate
             several NICs (every peer must open the same number); None picks a default.
-        worker_cpu: CPU to pin the worker thread to.
+        worker_cpu: CPU to pin the worker thread to, or "auto" for the first physical core of
+            the host's NUMA node (from ``detect_topology()``).
         poll_mode: "busy" (lowest latency, one core) or "adaptive" (spins, then sleeps when idle).
         transfer_timeout: seconds after which an unfinished request fails (dead peer).
         command_timeout: seconds to wait for the worker to accept or answer a command.
@@ -85,7 +87,7 @@ class TransferEngine:
         provider: str | None = None,
         domain: str | Sequence[str] | None = None,
         *,
-        worker_cpu: int | None = None,
+        worker_cpu: int | Literal["auto"] | None = None,
         poll_mode: Literal["busy", "adaptive"] = "busy",
         transfer_timeout: float = 30.0,
         command_timeout: float = 10.0,
@@ -95,6 +97,9 @@ class TransferEngine:
         shard_min_bytes: int = 256 * 1024,
     ) -> None:
         domains = [] if domain is None else [domain] if isinstance(domain, str) else list(domain)
+        if worker_cpu == "auto":
+            cpus = detect_topology().device("host").cpus
+            worker_cpu = cpus[0] if cpus else None
         self._native = _rust.TransferEngine(
             provider,
             domains,
@@ -109,6 +114,11 @@ class TransferEngine:
         )
         self._regions: dict[int, MemoryRegion] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def detect_topology(overrides: dict[str, list[str]] | None = None) -> Topology:
+        """GPUs, NICs, NUMA nodes and physical cores of this host (see ``fabric_lib.topology``)."""
+        return detect_topology(overrides)
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -190,6 +200,9 @@ class TransferEngine:
         """Writes ``length`` bytes (default: all of ``src`` after ``src_offset``) into the peer
         region ``dst`` at ``dst_offset``; with ``imm``, the peer counts the immediate exactly once,
         after the bytes are in place — however the write was sharded.
+
+        The returned Future (or ``on_done``) completes when the *source* may be reused; only the
+        receiver's immediate count says the bytes are visible at the destination.
 
         Large writes (≥ ``shard_min_bytes``) are sharded over up to ``shard_domains`` domains
         (default: all); ``domain`` pins the write to one domain instead.
