@@ -8,6 +8,7 @@ multi-host test starts inside each namespace (``python tests/test_netns_testbed.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import re
 import signal
@@ -24,21 +25,19 @@ NETNS_PY = ROOT / "python" / "fabric_lib" / "testbed" / "netns.py"
 
 
 def _load_testbed():
-    """fabric_lib.testbed.netns from the installed package, else from the source tree (the
-    module is pure Python, so a wheel built before it existed can still be tested)."""
-    try:
+    """fabric_lib.testbed.netns from this source tree (pure Python, so the tests exercise the
+    working tree even when the installed wheel is older), else from the installed package."""
+    if not NETNS_PY.exists():
         from fabric_lib.testbed import netns
 
         return netns
-    except ImportError:
-        name = "fabric_lib_testbed_netns"
-        if name in sys.modules:
-            return sys.modules[name]
+    name = "fabric_lib_testbed_netns"
+    if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, NETNS_PY)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-        return module
+    return sys.modules[name]
 
 
 tb = _load_testbed()
@@ -70,7 +69,7 @@ def _leftovers(tag: str) -> tuple[list[str], list[str]]:
     needle = f"{PREFIX}-{tag}"
     namespaces = [n for n in tb.list_namespaces() if n.startswith(needle)]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return namespaces, [line for line in links.splitlines() if needle in line or f"{PREFIX}{tag}" in line]
+    return namespaces, [line for line in links.splitlines() if needle in line]
 
 
 def _assert_gone(tag: str) -> None:
@@ -92,7 +91,8 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
             got = dict(re.findall(r"^\d+: (\S+)\s+inet (\S+)", out, re.M))
             assert got == {"lo": "127.0.0.1/8", "nic0": f"198.18.0.{h + 1}/24", "nic1": f"198.18.1.{h + 1}/24"}
             for n in range(2):
-                assert tb.ADDRESS_RANGE.supernet_of(__import__("ipaddress").ip_network(bed.subnet(n)))
+                assert ipaddress.ip_address(bed.addr(h, n)) in tb.ADDRESS_RANGE  # 198.18.0.0/15 only
+                assert tb.ADDRESS_RANGE.supernet_of(ipaddress.ip_network(bed.subnet(n)))
             link = bed.run(h, ["ip", "-o", "link", "show", "lo"]).stdout
             assert "UP" in link.split(">")[0], link
             assert bed.run(h, ["ip", "-o", "-6", "addr", "show"]).stdout.strip() == "", "IPv6 should be off"
@@ -109,7 +109,8 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
         bed.set_link(1, "nic1", up=False)
         probe = [sys.executable, "-c", "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)"]
         res = bed.run(0, [*probe, bed.addr(1, 1)], check=False, timeout=20)
-        assert res.returncode != 0 and ("timed out" in res.stderr or "unreachable" in res.stderr), res.stderr
+        assert res.returncode != 0, res.stderr
+        assert any(m in res.stderr for m in ("timed out", "No route to host", "unreachable")), res.stderr
         res = bed.run(0, [*probe, bed.addr(1, 0)], check=False, timeout=20)
         assert "Connection refused" in res.stderr, res.stderr  # reached host 1; nothing listens on 9
         bed.set_link(1, "nic1", up=True)
@@ -257,7 +258,7 @@ _CHILD = textwrap.dedent(
 
 @pytest.mark.netns
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_teardown_when_interrupted(sig: signal.Signals) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, tb.__file__, PREFIX], stdout=subprocess.PIPE, text=True
@@ -273,9 +274,11 @@ def test_teardown_when_interrupted(sig: signal.Signals) -> None:
             child.kill()
             child.wait()
     if sig == signal.SIGKILL:  # no handler can run: the names stay until cleanup_stale
-        assert len(_leftovers(tag)[0]) == 3
-        removed = tb.cleanup_stale(PREFIX)
-        assert sorted(removed) == sorted(f"{PREFIX}-{tag}-{x}" for x in ("h0", "h1", "hub"))
+        expected = {f"{PREFIX}-{tag}-{x}" for x in ("h0", "h1", "hub")}
+        left = set(_leftovers(tag)[0])
+        assert left <= expected
+        removed = set(tb.cleanup_stale(PREFIX))  # (a concurrent run's fixture may have done it)
+        assert left <= removed, (left, removed)
     else:
         assert child.returncode != 0
     _assert_gone(tag)

@@ -10,6 +10,8 @@ pub(crate) struct DomainState {
     pub send_buffers: MsgBuffers,
     pub free_send_slots: Vec<usize>,
     pub recv_buffers: MsgBuffers,
+    // Boxed so each context keeps its address for as long as its receive is posted.
+    #[allow(clippy::vec_box)]
     recv_contexts: Vec<Box<OpContext>>,
     pub recv_to_post: Vec<usize>,
     // Last: the buffers above hold the domain alive and are closed before it.

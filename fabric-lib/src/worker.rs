@@ -225,7 +225,7 @@ impl Worker {
             }
             active |= self.progress();
             iterations = iterations.wrapping_add(1);
-            if iterations % 256 == 0 || !active {
+            if iterations.is_multiple_of(256) || !active {
                 self.expire_requests();
             }
             if active {

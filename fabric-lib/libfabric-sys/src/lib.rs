@@ -5,7 +5,7 @@
 //! that forward to them. Everything here is `unsafe` and follows the libfabric man pages; the safe
 //! layer lives in the `fabric-lib` crate.
 #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code)]
-#![allow(clippy::all, unsafe_op_in_unsafe_fn)]
+#![allow(clippy::all, clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 

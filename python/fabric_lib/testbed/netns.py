@@ -167,7 +167,9 @@ def _probe() -> tuple[bool, str]:
         return False, f"network namespaces need root (euid {os.geteuid()})"
     if shutil.which("ip") is None:
         return False, "iproute2 `ip` is not on PATH"
-    name = f"flprobe-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
+    name = f"{_PROBE_PREFIX}-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
+    _install_handlers()
+    _scratch.add(name)  # deleted by the exit/signal handlers if we die right here
     try:
         _ip(["netns", "add", name])
         try:
@@ -182,6 +184,7 @@ def _probe() -> tuple[bool, str]:
             )
         finally:
             _ip(["netns", "del", name], check=False)
+            _scratch.discard(name)
     except TestBedError as e:
         return False, f"cannot create network namespaces, veths and bridges here: {e}"
     return True, "ok"
@@ -203,9 +206,14 @@ _live: dict[int, TestBed] = {}
 _handlers_installed = False
 _previous_handlers: dict[int, Any] = {}
 _TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_PROBE_PREFIX = "flprobe"
+_scratch: set[str] = set()  # namespaces of the availability probe, while it runs
 
 
 def _teardown_all() -> None:
+    for name in list(_scratch):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10, check=False)
+        _scratch.discard(name)
     with _registry_lock:
         beds = list(_live.values())
     for bed in beds:
@@ -274,8 +282,14 @@ def cleanup_stale(prefix: str = "fl", *, force: bool = False) -> list[str]:
     pattern = re.compile(rf"^{re.escape(prefix)}-([A-Za-z0-9]+)-(hub|h\d+)$")
     with _registry_lock:
         mine = {ns for bed in _live.values() for ns in bed.all_namespaces}
+    probe = re.compile(rf"^{_PROBE_PREFIX}-(\d+)-\d+$")
     removed = []
     for name in list_namespaces():
+        m = probe.match(name)
+        if m and not _pid_alive(int(m.group(1))) and name not in _scratch:
+            if _ip(["netns", "del", name], check=False).returncode == 0:
+                removed.append(name)
+            continue
         m = pattern.match(name)
         if not m or name in mine:
             continue
@@ -455,7 +469,8 @@ class TestBed:
         mtu = "" if self.mtu is None else f" mtu {int(self.mtu)}"
         hub = ["link set lo up"]
         for n in range(self.num_nics):
-            hub += [f"link add br{n}{mtu} type bridge", f"link set br{n} up"]
+            # No multicast snooping: the bridge would otherwise send IGMP reports into the NICs.
+            hub += [f"link add br{n}{mtu} type bridge mcast_snooping 0", f"link set br{n} up"]
         for h, name in enumerate(self.namespaces):
             for n, nic in enumerate(self.nics):
                 port = f"h{h}n{n}"
@@ -496,21 +511,26 @@ class TestBed:
         """Kills the processes spawned here and deletes every namespace (and so every link).
 
         Idempotent. Returns the error messages (raises TestBedError with them when
-        ``raise_errors``).
+        ``raise_errors``). A namespace that a still-running process (one not started by
+        ``spawn``) keeps alive disappears from ``ip netns list`` at once and from the kernel
+        when that process exits; processes found in it with ``ip netns pids`` are killed.
         """
+        # Re-entrant on purpose: a SIGTERM arriving while close() runs calls close() again from
+        # the signal handler (same thread), which then finishes the remaining work before the
+        # process dies; so the work list shrinks one item at a time instead of being cleared.
         with self._lock:
-            if self._state == "closed":
-                return []
             self._state = "closed"
             errors: list[str] = []
-            for p in self._procs:
+            procs = [p for p in self._procs if p.poll() is None]
+            for p in procs:
                 _kill_group(p)
-            for p in self._procs:
+            for p in procs:
                 try:
                     p.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     errors.append(f"process {p.pid} survived SIGKILL")
-            for name in reversed(self._created):
+            while self._created:
+                name = self._created[-1]
                 try:
                     _kill_namespace_pids(name)  # anything started there by other means
                     proc = _ip(["netns", "del", name], timeout=self.timeout, check=False)
@@ -518,7 +538,8 @@ class TestBed:
                         errors.append(f"ip netns del {name}: {proc.stderr.strip()}")
                 except TestBedError as e:
                     errors.append(str(e))
-            self._created.clear()
+                if self._created and self._created[-1] == name:
+                    self._created.pop()
             with _registry_lock:
                 _live.pop(id(self), None)
             if errors and raise_errors:

@@ -128,9 +128,9 @@ fn query(provider: Option<&str>) -> Result<Vec<FabricInfo>> {
     if hints.is_null() {
         return Err(FabricError::ProviderUnavailable("fi_allocinfo returned null".into()));
     }
+    let mut list: *mut sys::fi_info = ptr::null_mut();
     // SAFETY: hints and its attribute structs were allocated by fi_allocinfo; strings we store
     // are strdup'ed so fi_freeinfo can free them.
-    let mut list: *mut sys::fi_info = ptr::null_mut();
     let ret = unsafe {
         let h = &mut *hints;
         h.caps = (sys::FI_MSG | sys::FI_RMA) as u64;
