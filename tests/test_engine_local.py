@@ -165,3 +165,42 @@ def test_callback_exception_is_logged_not_fatal(engine_pair, caplog) -> None:
         assert ran.wait(30)
         a.submit_imm(5, dst.descriptor).result(timeout=30)  # engine still healthy
     assert any("boom from user callback" in r.getMessage() or r.exc_info for r in caplog.records)
+
+
+def test_futures_work_with_asyncio(engine_pair) -> None:
+    import asyncio
+
+    a, b = engine_pair
+    src = a.register_tensor(torch.arange(256, dtype=torch.uint8))
+    dst_tensor = torch.zeros(256, dtype=torch.uint8)
+    dst = b.register_tensor(dst_tensor)
+
+    async def main() -> None:
+        writes = [asyncio.wrap_future(a.submit_write(src, dst.descriptor, 16, src_offset=i * 16,
+                                                     dst_offset=i * 16, imm=33)) for i in range(16)]
+        await asyncio.gather(*writes)
+        await asyncio.wrap_future(b.expect_imm_count(33, 16))
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert torch.equal(dst_tensor, torch.arange(256, dtype=torch.uint8))
+
+
+def test_generic_imm_callback_gets_unclaimed_immediates(engine_pair) -> None:
+    a, b = engine_pair
+    dst = b.register_tensor(torch.zeros(8))
+    seen: list[int] = []
+    got = threading.Event()
+
+    def on_imm(imm: int) -> None:
+        seen.append(imm)
+        if len(seen) == 3:
+            got.set()
+
+    b.set_imm_callback(on_imm)
+    with b.imm_counter(1000) as claimed:
+        for imm in (7, 1000, 8, 9):
+            a.submit_imm(imm, b.main_address if imm == 9 else dst.descriptor).result(timeout=30)
+        claimed.wait(1, timeout=30)
+    assert got.wait(30)
+    assert sorted(seen) == [7, 8, 9]
+    b.set_imm_callback(None)

@@ -88,3 +88,81 @@ pub(crate) fn check_range(side: &str, region_len: u64, offset: u64, len: u64) ->
         ))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::address::DomainAddress;
+
+    fn sample() -> MrDescriptor {
+        let owner = EngineAddress {
+            provider: "tcp;ofi_rxm".into(),
+            host_id: "boot".into(),
+            domains: vec![
+                DomainAddress { endpoint: vec![1, 2, 3], imm_key: 9, imm_base: 0 },
+                DomainAddress { endpoint: vec![4, 5], imm_key: 10, imm_base: 0 },
+            ],
+        };
+        MrDescriptor {
+            base: 0x7000_0000,
+            len: 4096,
+            kind: MemoryKind::Host,
+            keys: owner.domains.iter().enumerate().map(|(i, a)| DomainKey { address: a.clone(), key: i as u64 + 1, remote_base: 0 }).collect(),
+            owner,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let d = sample();
+        assert_eq!(MrDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
+        let a = d.owner.clone();
+        assert_eq!(EngineAddress::from_bytes(&a.to_bytes()).unwrap(), a);
+        assert_eq!(EngineAddress::from_hex(&a.to_hex()).unwrap(), a);
+    }
+
+    #[test]
+    fn every_truncation_and_single_byte_corruption_is_an_error_not_a_crash() {
+        let bytes = sample().to_bytes();
+        for cut in 0..bytes.len() {
+            assert!(matches!(MrDescriptor::from_bytes(&bytes[..cut]), Err(FabricError::InvalidDescriptor(_))), "cut {cut}");
+        }
+        let mut extended = bytes.clone();
+        extended.push(0);
+        assert!(MrDescriptor::from_bytes(&extended).is_err());
+        for i in 0..bytes.len() {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut b = bytes.clone();
+                b[i] ^= flip;
+                // Either rejected, or (payload bits that still decode) a valid, different value.
+                if let Ok(d) = MrDescriptor::from_bytes(&b) {
+                    assert!(i >= 10, "header corruption at byte {i} must be rejected");
+                    assert_ne!(d, sample());
+                }
+            }
+        }
+        assert!(MrDescriptor::from_bytes(&sample().owner.to_bytes()).is_err(), "an address is not a descriptor");
+    }
+
+    #[test]
+    fn inconsistent_descriptors_are_rejected() {
+        let mut d = sample();
+        d.keys.pop();
+        assert!(MrDescriptor::from_bytes(&d.to_bytes()).is_err());
+        let mut d = sample();
+        d.len = 0;
+        assert!(MrDescriptor::from_bytes(&d.to_bytes()).is_err());
+        let mut d = sample();
+        d.base = u64::MAX;
+        assert!(MrDescriptor::from_bytes(&d.to_bytes()).is_err());
+    }
+
+    #[test]
+    fn ranges_are_checked_without_overflow() {
+        let d = sample();
+        assert!(d.check_range(0, 4096).is_ok());
+        assert!(d.check_range(4096, 0).is_ok());
+        assert!(d.check_range(1, 4096).is_err());
+        assert!(d.check_range(u64::MAX, 2).is_err());
+    }
+}
