@@ -28,6 +28,21 @@ if ! command -v cargo >/dev/null; then
     exit 1
 fi
 
+# nvcc 13.0.x compiles the CUDA kernels embedded in the wheel (rust/cuda-lib/build.rs). Without
+# one in NVCC, CUDA_HOME or PATH, install NVIDIA's PyPI toolchain into a private prefix (not this
+# Python's site-packages, where torch pins other nvidia-* versions); build.rs also finds it there.
+NVCC_VERSION=13.0.88
+if [ -z "${NVCC:-}" ] && ! [ -x "${CUDA_HOME:-/nonexistent}/bin/nvcc" ] && ! command -v nvcc >/dev/null; then
+    NVCC_PREFIX="${XDG_CACHE_HOME:-$HOME/.cache}/fabric-lib/nvcc-$NVCC_VERSION"
+    if ! "$NVCC_PREFIX/nvidia/cu13/bin/nvcc" --version >/dev/null 2>&1; then
+        echo "setup: installing nvcc $NVCC_VERSION (PyPI) into $NVCC_PREFIX"
+        $PY -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-deps --upgrade \
+            --target "$NVCC_PREFIX" "nvidia-cuda-nvcc==$NVCC_VERSION" "nvidia-cuda-crt==$NVCC_VERSION" \
+            "nvidia-nvvm==$NVCC_VERSION" "nvidia-cuda-runtime==$NVCC_VERSION" "nvidia-cuda-cccl==13.0.85"
+    fi
+    export NVCC="$NVCC_PREFIX/nvidia/cu13/bin/nvcc"
+fi
+
 echo "setup: building the wheel and fabric-debug (release)"
 rm -rf dist
 $PY -m maturin build --release -q -o dist --compatibility linux --auditwheel skip

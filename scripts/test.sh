@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "== cargo test"
-cargo test -q --release -p libfabric-sys -p fabric-lib -p fabric-debug
+cargo test -q --release -p libfabric-sys -p fabric-lib -p fabric-debug -p cuda-lib
 echo "== pytest"
 ${PYTHON:-python3} -m pytest -q -p no:cacheprovider tests "$@"
