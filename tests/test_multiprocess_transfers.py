@@ -15,11 +15,10 @@ are started once and driven over Pipes by:
 
 from __future__ import annotations
 
+import mp_helpers as mh
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import mp_helpers as mh
 
 SRC_SIZE = 2 << 20  # each sender's buffer
 DST_SIZE = 16 << 20  # the receiver's buffer
@@ -85,7 +84,7 @@ _last_imms: dict[str, list[int]] = {}
 
 @pytest.mark.timeout(300)
 @settings(
-    max_examples=20,
+    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
@@ -106,7 +105,13 @@ def test_random_write_batches_land_exactly(trio, plan) -> None:
             (
                 rx,
                 "check_plan",
-                {"ops": ops, "init_seed": INIT_SEED, "src_seeds": SRC_SEEDS, "src_size": SRC_SIZE, "timeout": 30.0},
+                {
+                    "ops": ops,
+                    "init_seed": INIT_SEED,
+                    "src_seeds": SRC_SEEDS,
+                    "src_size": SRC_SIZE,
+                    "timeout": 30.0,
+                },
             ),
         ],
         timeout=90,
@@ -124,7 +129,10 @@ FLOOD_SLOTS = 4096
 
 
 def _flood(tx, rx, count: int) -> dict:
-    per_imm = {imm: count // len(FLOOD_IMMS) + (1 if i < count % len(FLOOD_IMMS) else 0) for i, imm in enumerate(FLOOD_IMMS)}
+    per_imm = {
+        imm: count // len(FLOOD_IMMS) + (1 if i < count % len(FLOOD_IMMS) else 0)
+        for i, imm in enumerate(FLOOD_IMMS)
+    }
     sent, leftover = mh.gather(
         [
             (
@@ -154,6 +162,7 @@ def test_100k_small_writes_exact_counts_and_stable_memory(trio) -> None:
     tx0, _, rx = trio
     assert rx.call("clear_imms", imms=FLOOD_IMMS) == {}
     rx.call("fill", value=0)
+    start_tx, start_rx = tx0.call("rss"), rx.call("rss")
     _flood(tx0, rx, 10_000)  # warm-up: connections, buffers, allocator pools
     base_tx, base_rx = tx0.call("rss"), rx.call("rss")
     sent = _flood(tx0, rx, 100_000)
@@ -162,7 +171,8 @@ def test_100k_small_writes_exact_counts_and_stable_memory(trio) -> None:
     assert rx.call("check_bytes", offset=0, length=span, seed=SRC_SEEDS[0], seed_size=SRC_SIZE) == 0
     assert rx.call("check_bytes", offset=span, length=MiB, seed=None, value=0) == 0
     growth = {"sender": (end_tx - base_tx) / MiB, "receiver": (end_rx - base_rx) / MiB}
-    print(f"100k writes in {sent['elapsed']:.2f}s; RSS growth MiB: {growth}")
+    warmup = {"sender": (base_tx - start_tx) / MiB, "receiver": (base_rx - start_rx) / MiB}
+    print(f"100k writes in {sent['elapsed']:.2f}s; RSS growth MiB: warm-up {warmup}, 100k {growth}")
     assert growth["sender"] < 50 and growth["receiver"] < 50, growth
 
 
@@ -172,12 +182,24 @@ def test_100k_small_writes_exact_counts_and_stable_memory(trio) -> None:
 def test_messages_of_random_sizes_arrive_intact(trio, seed: int) -> None:
     tx0, tx1, rx = trio
     count = 400
-    rx.call("collect_messages", seed=seed, counts={}, max_size=MAX_MESSAGE, timeout=0, settle=0)  # drain
+    rx.call("take_messages", count=0, timeout=0)  # drain
     results = mh.gather(
         [
-            (tx0, "send_messages", {"peer": rx.address, "seed": seed, "sender": 0, "count": count, "max_size": MAX_MESSAGE}),
-            (tx1, "send_messages", {"peer": rx.address, "seed": seed, "sender": 1, "count": count, "max_size": MAX_MESSAGE}),
-            (rx, "collect_messages", {"seed": seed, "counts": {0: count, 1: count}, "max_size": MAX_MESSAGE, "timeout": 60.0}),
+            (
+                tx0,
+                "send_messages",
+                {"peer": rx.address, "seed": seed, "sender": 0, "count": count, "max_size": MAX_MESSAGE},
+            ),
+            (
+                tx1,
+                "send_messages",
+                {"peer": rx.address, "seed": seed, "sender": 1, "count": count, "max_size": MAX_MESSAGE},
+            ),
+            (
+                rx,
+                "collect_messages",
+                {"seed": seed, "counts": {0: count, 1: count}, "max_size": MAX_MESSAGE, "timeout": 60.0},
+            ),
         ],
         timeout=120,
     )
