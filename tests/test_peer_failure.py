@@ -5,8 +5,8 @@
   ``transfer_timeout`` + slack; afterwards it still writes to a third, live process (every byte
   and every imm checked there), and its ``engine.stop()`` returns promptly.
 - A receiver whose writer is killed mid-stream keeps counting and receiving from another writer.
-- Writes to a live peer must not wait behind requests to a dead (or stopped) one: xfail on tcp
-  and shm, where they do (see HOL_BUG).
+- Writes to a live peer must not wait behind requests to a dead (or stopped) one (the worker
+  queues provider push-back per destination).
 
 tcp notices the death through the connection; ``udp;ofi_rxd`` has no connections, so failures
 arrive by timeout; shm is tried as well (there small writes to a dead peer complete locally).
@@ -241,24 +241,12 @@ def _timed_plan(writer: mh.Peer, live: mh.Peer, ops: list[mh.WriteOp], size: int
     return latency
 
 
-HOL_BUG = (
-    "bug: while an application keeps writing to a dead (tcp) or stopped (shm) peer, writes to a "
-    "live peer wait ~transfer_timeout or fail with FabricTimeoutError: the worker keeps one FIFO "
-    "of pending posts per domain, so posts the provider refuses (EAGAIN) for the dead peer block "
-    "every later post to any peer until they expire"
-)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "provider,signal_name",
     [
-        pytest.param(
-            "tcp", "SIGKILL", marks=pytest.mark.xfail(reason=HOL_BUG, strict=False), id="tcp-killed"
-        ),
-        pytest.param(
-            "shm", "SIGSTOP", marks=pytest.mark.xfail(reason=HOL_BUG, strict=False), id="shm-stopped"
-        ),
+        pytest.param("tcp", "SIGKILL", id="tcp-killed"),
+        pytest.param("shm", "SIGSTOP", id="shm-stopped"),
         pytest.param("udp;ofi_rxd", "SIGKILL", id="udp-ofi_rxd-killed"),
     ],
 )

@@ -25,6 +25,11 @@ pub struct EngineAddress {
     pub provider: String,
     /// Identifies the host (boot id), for choosing same-host paths.
     pub host_id: String,
+    /// The owning process's pid (same-host writes into host memory use `process_vm_writev`).
+    pub pid: u32,
+    /// A random identifier of the owning process (pids repeat across containers), used to tell
+    /// "this very process" apart: CUDA refuses to open IPC handles a process exported itself.
+    pub process: u64,
     /// One address per domain of the device, in domain order.
     pub domains: Vec<DomainAddress>,
 }
@@ -57,9 +62,36 @@ impl EngineAddress {
     }
 }
 
+impl EngineAddress {
+    /// Whether this engine runs on the same host as the caller's process.
+    pub fn is_same_host(&self) -> bool {
+        !self.host_id.is_empty() && self.host_id == local_host_id()
+    }
+
+    /// Whether this engine lives in the caller's process.
+    pub fn is_same_process(&self) -> bool {
+        self.is_same_host() && self.process == local_process_id()
+    }
+}
+
+/// A random 64-bit identifier of this process, fixed for its lifetime.
+pub(crate) fn local_process_id() -> u64 {
+    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        // RandomState is seeded from the OS's random source; mix in pid and time for good measure.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+        h.finish() | 1
+    })
+}
+
 /// A stable identifier of this machine's boot, so peers can tell "same host" apart.
 pub(crate) fn local_host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    })
+    .clone()
 }

@@ -43,6 +43,10 @@ pub struct EngineConfig {
     pub recv_buffers: usize,
     /// Send buffers (messages in flight at once; more wait in order).
     pub send_buffers: usize,
+    /// Blocks of the same-host paged-copy kernel (each takes one SM while it runs).
+    pub paged_copy_blocks: u32,
+    /// CPU to pin the UVM watcher threads to (`None`: not pinned).
+    pub uvm_watcher_cpu: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +62,8 @@ impl Default for EngineConfig {
             max_message_size: 64 * 1024,
             recv_buffers: 64,
             send_buffers: 64,
+            paged_copy_blocks: cuda_lib::PAGED_COPY_DEFAULT_BLOCKS,
+            uvm_watcher_cpu: None,
         }
     }
 }

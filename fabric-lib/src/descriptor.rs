@@ -28,6 +28,20 @@ pub struct DomainKey {
     pub remote_base: u64,
 }
 
+/// What a process on the same host needs to reach a GPU region through CUDA IPC.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CudaIpc {
+    /// The legacy IPC handle (`cuIpcGetMemHandle`, 64 bytes) of the allocation holding the region.
+    pub handle: Vec<u8>,
+    /// Offset of the region's first byte within that allocation.
+    pub offset: u64,
+    /// Size of the whole allocation.
+    pub alloc_len: u64,
+}
+
+/// Length of a legacy CUDA IPC handle.
+pub const CUDA_IPC_HANDLE_LEN: usize = 64;
+
 /// A registered region as seen by peers: its extent plus one key per domain of the owner.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MrDescriptor {
@@ -39,8 +53,11 @@ pub struct MrDescriptor {
     pub kind: MemoryKind,
     /// Address of the owning engine (provider, host and every domain).
     pub owner: EngineAddress,
-    /// One key per domain, in the owner's domain order.
+    /// One key per domain, in the owner's domain order; empty for GPU regions that are only
+    /// reachable from the same host (the provider has no FI_HMEM).
     pub keys: Vec<DomainKey>,
+    /// For GPU regions: how same-host peers open the memory.
+    pub cuda: Option<CudaIpc>,
 }
 
 impl MrDescriptor {
@@ -63,14 +80,46 @@ impl MrDescriptor {
         if self.base.checked_add(self.len).is_none() {
             return Err(FabricError::InvalidDescriptor("memory descriptor extent overflows".into()));
         }
-        if self.keys.is_empty() || self.keys.len() != self.owner.domains.len() {
+        if self.owner.domains.is_empty() {
+            return Err(FabricError::InvalidDescriptor("memory descriptor's owner has no domains".into()));
+        }
+        let same_host_only = self.keys.is_empty() && self.cuda.is_some();
+        if !same_host_only && self.keys.len() != self.owner.domains.len() {
             return Err(FabricError::InvalidDescriptor(format!(
                 "memory descriptor has {} keys for {} domains",
                 self.keys.len(),
                 self.owner.domains.len()
             )));
         }
+        match (&self.kind, &self.cuda) {
+            (MemoryKind::Host, Some(_)) => {
+                return Err(FabricError::InvalidDescriptor("host memory descriptor carries CUDA IPC data".into()))
+            }
+            (MemoryKind::Cuda(_), None) => {
+                return Err(FabricError::InvalidDescriptor("GPU memory descriptor lacks its CUDA IPC data".into()))
+            }
+            (MemoryKind::Cuda(_), Some(ipc)) => {
+                if ipc.handle.len() != CUDA_IPC_HANDLE_LEN {
+                    return Err(FabricError::InvalidDescriptor(format!(
+                        "CUDA IPC handle of {} bytes, expected {CUDA_IPC_HANDLE_LEN}",
+                        ipc.handle.len()
+                    )));
+                }
+                if ipc.offset.checked_add(self.len).is_none_or(|end| end > ipc.alloc_len) {
+                    return Err(FabricError::InvalidDescriptor(format!(
+                        "GPU region [{}, +{}) lies outside its {}-byte allocation",
+                        ipc.offset, self.len, ipc.alloc_len
+                    )));
+                }
+            }
+            (MemoryKind::Host, None) => {}
+        }
         Ok(())
+    }
+
+    /// Whether peers on other hosts can write this region over the network.
+    pub fn network_reachable(&self) -> bool {
+        !self.keys.is_empty()
     }
 
     /// Checks that `[offset, offset + len)` lies inside the region.
@@ -98,6 +147,8 @@ mod tests {
         let owner = EngineAddress {
             provider: "tcp;ofi_rxm".into(),
             host_id: "boot".into(),
+            pid: 42,
+            process: 7,
             domains: vec![
                 DomainAddress { endpoint: vec![1, 2, 3], imm_key: 9, imm_base: 0 },
                 DomainAddress { endpoint: vec![4, 5], imm_key: 10, imm_base: 0 },
@@ -109,7 +160,43 @@ mod tests {
             kind: MemoryKind::Host,
             keys: owner.domains.iter().enumerate().map(|(i, a)| DomainKey { address: a.clone(), key: i as u64 + 1, remote_base: 0 }).collect(),
             owner,
+            cuda: None,
         }
+    }
+
+    fn gpu_sample() -> MrDescriptor {
+        MrDescriptor {
+            kind: MemoryKind::Cuda(1),
+            keys: Vec::new(),
+            cuda: Some(CudaIpc { handle: (0..64).collect(), offset: 512, alloc_len: 1 << 20 }),
+            ..sample()
+        }
+    }
+
+    #[test]
+    fn gpu_descriptors_round_trip_and_are_checked() {
+        let d = gpu_sample();
+        assert_eq!(MrDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
+        assert!(!d.network_reachable());
+        let bytes = d.to_bytes();
+        for cut in 0..bytes.len() {
+            assert!(MrDescriptor::from_bytes(&bytes[..cut]).is_err(), "cut {cut}");
+        }
+        let mut bad = gpu_sample();
+        bad.cuda.as_mut().unwrap().handle.pop();
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err());
+        let mut bad = gpu_sample();
+        bad.cuda.as_mut().unwrap().offset = (1 << 20) - 100;
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err());
+        let mut bad = gpu_sample();
+        bad.cuda = None;
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err());
+        let mut bad = sample();
+        bad.cuda = gpu_sample().cuda;
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err());
+        let mut bad = sample();
+        bad.keys.clear();
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err(), "host regions need keys");
     }
 
     #[test]

@@ -8,7 +8,8 @@ use serde::{de::DeserializeOwned, Serialize};
 use crate::error::{FabricError, Result};
 
 /// Bumped whenever an encoded type changes shape.
-pub const ENCODING_VERSION: u16 = 1;
+/// 2: addresses carry the owner's pid and process id, descriptors the same-host CUDA IPC data.
+pub const ENCODING_VERSION: u16 = 2;
 const HEADER_LEN: usize = 10;
 
 pub(crate) fn encode_versioned<T: Serialize>(magic: [u8; 4], value: &T) -> Vec<u8> {

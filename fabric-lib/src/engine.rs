@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, SendTimeoutError, Sender};
 use parking_lot::{Mutex, RwLock};
 
-use crate::address::{local_host_id, DomainAddress, EngineAddress};
+use crate::address::{local_host_id, local_process_id, DomainAddress, EngineAddress};
 use crate::callback::CallbackThread;
 use crate::config::EngineConfig;
-use crate::descriptor::{DomainKey, MemoryKind, MrDescriptor};
+use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
+use crate::gpu::{GpuFlag, UvmWatcher, WatcherCallback, Watchers};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, Target, Transfer};
@@ -25,9 +26,11 @@ use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, Target, Tr
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MrHandle(pub u64);
 
-#[derive(Clone, Copy)]
-struct RegionInfo {
-    len: u64,
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RegionInfo {
+    pub len: u64,
+    pub ptr: u64,
+    pub kind: MemoryKind,
 }
 
 /// Moves memory to and from peers; see the crate docs.
@@ -45,6 +48,7 @@ pub struct TransferEngine {
     imm: Arc<ImmCounterTable>,
     callbacks: CallbackThread,
     worker: Mutex<Option<JoinHandle<()>>>,
+    watchers: Watchers,
     stopped: AtomicBool,
 }
 
@@ -67,6 +71,8 @@ impl TransferEngine {
         let address = EngineAddress {
             provider: info.provider,
             host_id: local_host_id(),
+            pid: std::process::id(),
+            process: local_process_id(),
             domains: info
                 .domains
                 .iter()
@@ -90,6 +96,7 @@ impl TransferEngine {
             imm,
             callbacks,
             worker: Mutex::new(Some(handle)),
+            watchers: Watchers::new(),
             stopped: AtomicBool::new(false),
         })
     }
@@ -200,14 +207,12 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("region extent overflows the address space".into()));
         }
         if let MemoryKind::Cuda(device) = kind {
-            return Err(FabricError::ProviderUnavailable(format!(
-                "provider '{}' cannot register CUDA memory (device {device}): GPU memory needs a provider with FI_HMEM",
-                self.address.provider
-            )));
+            return self.register_cuda(ptr as u64, len, device);
         }
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
-        let registered = self.request(|reply| Command::Register { region, ptr: ptr as usize, len, reply })?;
-        self.regions.write().insert(region, RegionInfo { len: len as u64 });
+        let registered =
+            self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: true, reply })?;
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind });
         let descriptor = MrDescriptor {
             base: ptr as u64,
             len: len as u64,
@@ -218,8 +223,109 @@ impl TransferEngine {
                 .zip(&self.address.domains)
                 .map(|(&(key, remote_base), address)| DomainKey { address: address.clone(), key, remote_base })
                 .collect(),
+            cuda: None,
         };
         Ok((MrHandle(region), descriptor))
+    }
+
+    /// GPU memory: exported through a legacy CUDA IPC handle for same-host peers. The libfabric
+    /// providers opened here lack FI_HMEM, so it is not registered with the NIC (no DMA-BUF
+    /// registration is implemented: it cannot be tested on these hosts); network writes from or
+    /// to it fail with an error saying so (see [`TransferEngine::gpu_network_error`]).
+    fn register_cuda(&self, ptr: u64, len: usize, device: u32) -> Result<(MrHandle, MrDescriptor)> {
+        match crate::gpu::detect_memory_kind(ptr) {
+            MemoryKind::Cuda(d) if d == device => {}
+            MemoryKind::Cuda(d) => {
+                return Err(FabricError::InvalidArgument(format!(
+                    "pointer {ptr:#x} is memory of CUDA device {d}, not of device {device}"
+                )))
+            }
+            MemoryKind::Host => {
+                cuda_lib::Driver::get()?;
+                return Err(FabricError::InvalidArgument(format!(
+                    "pointer {ptr:#x} is not CUDA device memory (registered as cuda:{device})"
+                )));
+            }
+        }
+        let ctx = cuda_lib::Context::new(device as usize)?;
+        let export = cuda_lib::ipc_export(&ctx, ptr).map_err(|e| {
+            FabricError::Cuda(format!(
+                "exporting a CUDA IPC handle for {ptr:#x}: {e} (only cudaMalloc/cuMemAlloc memory can be \
+                 shared; torch's expandable_segments allocations cannot)"
+            ))
+        })?;
+        if export.offset + len as u64 > export.alloc_len as u64 {
+            return Err(FabricError::InvalidArgument(format!(
+                "GPU region [{ptr:#x}, +{len}) extends past the end of its allocation ({} bytes from offset {})",
+                export.alloc_len, export.offset
+            )));
+        }
+        let kind = MemoryKind::Cuda(device);
+        let region = self.next_region.fetch_add(1, Ordering::Relaxed);
+        self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: false, reply })?;
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind });
+        let descriptor = MrDescriptor {
+            base: ptr,
+            len: len as u64,
+            kind,
+            owner: self.address.clone(),
+            keys: Vec::new(),
+            cuda: Some(CudaIpc { handle: export.handle.0.to_vec(), offset: export.offset, alloc_len: export.alloc_len as u64 }),
+        };
+        Ok((MrHandle(region), descriptor))
+    }
+
+    /// The error for a network transfer that involves GPU memory.
+    pub(crate) fn gpu_network_error(&self, side: &str, kind: MemoryKind) -> FabricError {
+        FabricError::ProviderUnavailable(format!(
+            "the {side} is GPU memory ({kind:?}) on a peer on another host: provider '{}' was opened without \
+             FI_HMEM, so GPU regions are registered for same-host (CUDA IPC) transfers only and are never \
+             copied through host memory behind your back. Remedy: stage through a registered host buffer, or \
+             use a provider with FI_HMEM (efa, or verbs;ofi_rxm with a CUDA-enabled libfabric) once DMA-BUF \
+             registration is implemented (it is not: it cannot be tested on these hosts)",
+            self.address.provider
+        ))
+    }
+
+    /// Information about a local registration.
+    pub(crate) fn region_info(&self, handle: MrHandle) -> Result<RegionInfo> {
+        self.regions
+            .read()
+            .get(&handle.0)
+            .copied()
+            .ok_or_else(|| FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)))
+    }
+
+    /// Allocates a UVM watcher on `device`: a 64-bit word in mapped pinned host memory that
+    /// kernels (also inside CUDA graphs) write; `callback(old, new)` runs on the callback thread
+    /// after every change a per-device polling thread sees.
+    pub fn alloc_uvm_watcher(&self, device: usize, callback: WatcherCallback) -> Result<UvmWatcher> {
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(FabricError::Stopped);
+        }
+        self.watchers.alloc(device, self.config.uvm_watcher_cpu, self.config.poll_mode, self.callbacks.queue(), callback)
+    }
+
+    /// Allocates a GPU flag on `device` (a word kernels poll; set from the CPU or by an
+    /// ImmCounter, see [`TransferEngine::set_imm_count_expected_flag`]).
+    pub fn alloc_gpu_flag(&self, device: usize) -> Result<GpuFlag> {
+        GpuFlag::new(device)
+    }
+
+    /// Stores `value` into `flag` once `imm` has arrived `n` times (no Python involved; the
+    /// store runs on the engine's callback thread right after the count is reached). Then
+    /// `on_reached`, if given, runs.
+    pub fn set_imm_count_expected_flag(&self, imm: u32, n: u64, flag: GpuFlag, value: u64, on_reached: Option<OnReached>) -> Result<()> {
+        self.set_imm_count_expected(
+            imm,
+            n,
+            Box::new(move || {
+                flag.set(value);
+                if let Some(cb) = on_reached {
+                    cb();
+                }
+            }),
+        )
     }
 
     /// Releases a registration. Fails while operations reading from it are in flight.
@@ -234,11 +340,17 @@ impl TransferEngine {
 
     /// Length of a local registration.
     pub fn region_len(&self, handle: MrHandle) -> Result<u64> {
-        self.regions
-            .read()
-            .get(&handle.0)
-            .map(|r| r.len)
-            .ok_or_else(|| FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)))
+        self.region_info(handle).map(|r| r.len)
+    }
+
+    /// Address of a local registration's first byte.
+    pub fn region_base(&self, handle: MrHandle) -> Result<u64> {
+        self.region_info(handle).map(|r| r.ptr)
+    }
+
+    /// Memory kind of a local registration.
+    pub fn region_kind(&self, handle: MrHandle) -> Result<MemoryKind> {
+        self.region_info(handle).map(|r| r.kind)
     }
 
     /// Sends a small two-sided message (at most `max_message_size` bytes) to `peer`, whose
@@ -325,6 +437,7 @@ impl TransferEngine {
                 tracing::warn!("worker did not stop within {timeout:?}; detaching it");
             }
         }
+        self.watchers.stop();
         self.imm.close();
         self.callbacks.shutdown(timeout);
     }

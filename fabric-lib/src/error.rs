@@ -29,6 +29,13 @@ pub enum FabricError {
     /// The engine was stopped before or while the operation ran.
     #[error("engine stopped")]
     Stopped,
+    /// CUDA (driver, device or the embedded kernels) is missing; the message says what and how
+    /// to get it.
+    #[error("CUDA unavailable: {0}")]
+    CudaUnavailable(String),
+    /// A CUDA driver call failed (or CUDA refused an argument).
+    #[error("CUDA error: {0}")]
+    Cuda(String),
 }
 
 impl FabricError {
@@ -36,5 +43,15 @@ impl FabricError {
     pub fn libfabric(call: &'static str, ret: i64) -> Self {
         let code = ret.unsigned_abs() as i32;
         FabricError::Libfabric { call, code, message: crate::provider::libfabric::strerror(code) }
+    }
+}
+
+impl From<cuda_lib::CudaError> for FabricError {
+    fn from(e: cuda_lib::CudaError) -> Self {
+        match e {
+            cuda_lib::CudaError::DriverUnavailable(m) => FabricError::CudaUnavailable(m),
+            e @ cuda_lib::CudaError::KernelsUnavailable => FabricError::CudaUnavailable(e.to_string()),
+            other => FabricError::Cuda(other.to_string()),
+        }
     }
 }

@@ -7,8 +7,10 @@
 use std::sync::atomic::Ordering;
 
 use crate::address::EngineAddress;
-use crate::descriptor::{check_range, MrDescriptor};
+use crate::descriptor::{check_range, MemoryKind, MrDescriptor};
 use crate::engine::{MrHandle, TransferEngine};
+use crate::provider::local::{LocalCopy, LocalDst};
+use crate::worker::{LocalTransfer, Target};
 use crate::error::{FabricError, Result};
 use crate::sharding::{plan_imms, split_bytes, DomainChoice, Shard};
 use crate::worker::{OnDone, Transfer, SCRATCH_REGION};
@@ -66,7 +68,51 @@ pub enum ScatterSharding {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PeerGroup(pub u64);
 
+/// How a request from a local region to a descriptor is carried.
+enum Route {
+    /// Over the libfabric domains.
+    Network(Target),
+    /// Same host, GPU memory on either side: CUDA IPC + copy engines / copy kernel.
+    Local(LocalDst),
+}
+
 impl TransferEngine {
+    /// Picks the path: same-host CUDA when either side is GPU memory and the owner shares this
+    /// host (another process or this one), the network otherwise (host memory only).
+    fn route(&self, src: MrHandle, dst: &MrDescriptor) -> Result<Route> {
+        let src_kind = self.region_info(src)?.kind;
+        let gpu = src_kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
+        if !gpu {
+            return self.region_target(dst).map(Route::Network);
+        }
+        if !dst.owner.is_same_host() {
+            if src_kind != MemoryKind::Host {
+                return Err(self.gpu_network_error("source", src_kind));
+            }
+            if !dst.network_reachable() {
+                return Err(self.gpu_network_error("destination", dst.kind));
+            }
+            return self.region_target(dst).map(Route::Network);
+        }
+        self.check_peer(&dst.owner)?;
+        Ok(Route::Local(LocalDst {
+            kind: dst.kind,
+            base: dst.base,
+            pid: dst.owner.pid,
+            process: dst.owner.process,
+            same_process: dst.owner.is_same_process(),
+            cuda: dst.cuda.clone(),
+        }))
+    }
+
+    fn submit_local(&self, src: MrHandle, dst: &MrDescriptor, local: LocalDst, copy: LocalCopy, imm: Option<u32>, on_done: OnDone) -> Result<()> {
+        let imm = match imm {
+            Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
+            None => None,
+        };
+        self.command(crate::worker::Command::Local(LocalTransfer { region: src.0, dst: local, copy, imm, on_done }))
+    }
+
     fn rotate(&self, by: usize) -> usize {
         self.next_domain.fetch_add(by.max(1), Ordering::Relaxed)
     }
@@ -75,9 +121,21 @@ impl TransferEngine {
     /// one failed). Bad input is rejected here and nothing is posted.
     pub fn submit_write(&self, req: &WriteRequest<'_>, on_done: OnDone) -> Result<()> {
         check_range("source", self.region_len(req.src)?, req.src_offset, req.len)?;
-        let target = self.region_target(req.dst)?;
+        let route = self.route(req.src, req.dst)?;
         req.dst.check_range(req.dst_offset, req.len)?;
         let n = self.num_domains();
+        if let DomainChoice::Pinned(d) = req.domains {
+            if d >= n {
+                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")));
+            }
+        }
+        let target = match route {
+            Route::Network(t) => t,
+            Route::Local(local) => {
+                let copy = LocalCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
+                return self.submit_local(req.src, req.dst, local, copy, req.imm, on_done);
+            }
+        };
         let pieces = match req.domains {
             DomainChoice::Pinned(d) if d >= n => {
                 return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")))
@@ -104,7 +162,7 @@ impl TransferEngine {
     /// regions before anything is posted.
     pub fn submit_paged_writes(&self, req: &PagedWriteRequest<'_>, on_done: OnDone) -> Result<()> {
         let src_len = self.region_len(req.src)?;
-        let target = self.region_target(req.dst)?;
+        let route = self.route(req.src, req.dst)?;
         if req.src_pages.len() != req.dst_pages.len() {
             return Err(FabricError::InvalidArgument(format!(
                 "{} source pages but {} destination pages",
@@ -129,6 +187,24 @@ impl TransferEngine {
         };
         page_range("source", req.src_pages, req.src_stride, req.src_offset, src_len)?;
         page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, req.dst.len)?;
+        let target = match route {
+            Route::Network(t) => t,
+            Route::Local(local) => {
+                if req.src_pages.len() > u32::MAX as usize {
+                    return Err(FabricError::InvalidArgument("too many pages for one paged write".into()));
+                }
+                let copy = LocalCopy::Paged {
+                    page_len: req.page_len,
+                    src_pages: req.src_pages.to_vec(),
+                    src_stride: req.src_stride,
+                    src_offset: req.src_offset,
+                    dst_pages: req.dst_pages.to_vec(),
+                    dst_stride: req.dst_stride,
+                    dst_offset: req.dst_offset,
+                };
+                return self.submit_local(req.src, req.dst, local, copy, req.imm, on_done);
+            }
+        };
         let n = self.num_domains();
         let start = self.rotate(req.src_pages.len());
         let mut shards: Vec<Shard> = req
@@ -149,8 +225,12 @@ impl TransferEngine {
         self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done })
     }
 
-    /// Sends only an immediate (a zero-byte write into `dst`'s region).
+    /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
+    /// network keys, into its owner engine's immediate slot: the receiver counts it the same).
     pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
+        if !dst.network_reachable() {
+            return self.submit_imm_to(imm, &dst.owner, on_done);
+        }
         let target = self.region_target(dst)?;
         self.submit_imm_to_targets(imm, vec![target], on_done)
     }
@@ -207,6 +287,11 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("scatter with no targets".into()));
         }
         let src_len = self.region_len(src)?;
+        if self.region_kind(src)? != MemoryKind::Host || targets.iter().any(|t| t.dst.kind != MemoryKind::Host) {
+            return Err(FabricError::InvalidArgument(
+                "submit_scatter does not support GPU memory yet; use one submit_write per target".into(),
+            ));
+        }
         let members = group.map(|g| self.group(g)).transpose()?;
         let n = self.num_domains();
         let start = self.rotate(targets.len());

@@ -15,7 +15,9 @@ use crate::config::{EngineConfig, PollMode};
 use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
+use crate::descriptor::MemoryKind;
 use crate::provider::libfabric::{Completion, LocalMr, OpContext, OpKind, Posted};
+use crate::provider::local::{LocalChannel, LocalCopy, LocalDone, LocalDst, LocalSrc};
 use crate::sharding::{DeferredImm, Shard};
 
 /// Completion callback of one request.
@@ -44,6 +46,17 @@ pub(crate) struct Transfer {
     pub on_done: OnDone,
 }
 
+/// A validated same-host write where either side is GPU memory (see `provider::local`).
+pub(crate) struct LocalTransfer {
+    pub region: u64,
+    pub dst: LocalDst,
+    pub copy: LocalCopy,
+    /// The immediate and the destination engine's immediate slots: delivered over the network
+    /// once the copy's event completed (the data is visible by then).
+    pub imm: Option<(u32, Target)>,
+    pub on_done: OnDone,
+}
+
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
     pub peer: Vec<u8>,
@@ -52,9 +65,11 @@ pub(crate) struct SendCommand {
 }
 
 pub(crate) enum Command {
-    Register { region: u64, ptr: usize, len: usize, reply: Sender<Result<Vec<(u64, u64)>>> },
+    /// `network: false` records the region for same-host use only (GPU memory without FI_HMEM).
+    Register { region: u64, ptr: usize, len: usize, kind: MemoryKind, network: bool, reply: Sender<Result<Vec<(u64, u64)>>> },
     Unregister { region: u64, reply: Sender<Result<()>> },
     Transfer(Transfer),
+    Local(LocalTransfer),
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
     Stop,
@@ -70,6 +85,7 @@ pub(crate) struct WorkerInfo {
 struct Region {
     mrs: Vec<LocalMr>,
     ptr: usize,
+    kind: MemoryKind,
     /// Posted operations that read from this region and have not completed.
     in_flight: usize,
 }
@@ -86,6 +102,14 @@ struct Request {
 enum Op {
     Write { region: u64, ptr: usize, len: usize, dest: u64, remote_addr: u64, key: u64, imm: Option<u32>, delivery: bool },
     Send { slot: usize, len: usize, dest: u64 },
+}
+
+impl Op {
+    fn dest(&self) -> u64 {
+        match *self {
+            Op::Write { dest, .. } | Op::Send { dest, .. } => dest,
+        }
+    }
 }
 
 struct PendingPost {
@@ -150,8 +174,10 @@ struct Worker {
     requests: HashMap<u64, Request>,
     next_request: u64,
     deadlines: VecDeque<(Instant, u64)>,
-    /// Posts the provider pushed back on, per domain, in order.
-    pending: Vec<VecDeque<PendingPost>>,
+    /// Posts the provider pushed back on, per domain and destination, each in order. Keyed by
+    /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
+    /// posts to other peers.
+    pending: Vec<HashMap<u64, VecDeque<PendingPost>>>,
     /// Messages waiting for a free send buffer (request, peer, bytes).
     waiting_sends: VecDeque<(u64, u64, Vec<u8>)>,
     outstanding: HashSet<usize>,
@@ -161,6 +187,10 @@ struct Worker {
     recv_contexts: HashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
     imm_batch: HashMap<u32, u32>,
+    /// The same-host channel, opened on the first same-host GPU write.
+    local: Option<LocalChannel>,
+    local_done: Vec<LocalDone>,
+    paged_copy_blocks: u32,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -197,11 +227,14 @@ impl Worker {
             requests: HashMap::new(),
             next_request: 1,
             deadlines: VecDeque::new(),
-            pending: (0..domains.len()).map(|_| VecDeque::new()).collect(),
+            pending: (0..domains.len()).map(|_| HashMap::new()).collect(),
             waiting_sends: VecDeque::new(),
             outstanding: HashSet::new(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
             imm_batch: HashMap::new(),
+            local: None,
+            local_done: Vec::new(),
+            paged_copy_blocks: config.paged_copy_blocks,
             domains,
         })
     }
@@ -232,7 +265,9 @@ impl Worker {
                 last_active = Instant::now();
                 continue;
             }
-            let busy = !self.outstanding.is_empty() || self.pending.iter().any(|p| !p.is_empty());
+            let busy = !self.outstanding.is_empty()
+                || self.pending.iter().any(|p| p.values().any(|q| !q.is_empty()))
+                || self.local.as_ref().is_some_and(|l| l.busy());
             match self.poll_mode {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
@@ -254,12 +289,15 @@ impl Worker {
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Register { region, ptr, len, reply } => {
-                let mrs: Result<Vec<LocalMr>> =
-                    self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len)).collect();
+            Command::Register { region, ptr, len, kind, network, reply } => {
+                let mrs: Result<Vec<LocalMr>> = if network {
+                    self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len)).collect()
+                } else {
+                    Ok(Vec::new())
+                };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
-                    self.regions.insert(region, Region { mrs, ptr, in_flight: 0 });
+                    self.regions.insert(region, Region { mrs, ptr, kind, in_flight: 0 });
                     keys
                 });
                 let _ = reply.send(result);
@@ -279,6 +317,7 @@ impl Worker {
                 let _ = reply.send(result);
             }
             Command::Transfer(t) => self.start_transfer(t),
+            Command::Local(t) => self.start_local(t),
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
@@ -358,6 +397,45 @@ impl Worker {
         }
     }
 
+    fn start_local(&mut self, t: LocalTransfer) {
+        let LocalTransfer { region, dst, copy, imm, on_done } = t;
+        let id = self.new_request(on_done, 1);
+        let (ptr, kind) = match self.regions.get(&region) {
+            Some(r) => (r.ptr as u64, r.kind),
+            None => {
+                let e = FabricError::InvalidArgument(format!("memory handle {region} was unregistered"));
+                return self.fail_request(id, e);
+            }
+        };
+        if let Some((imm, target)) = imm {
+            let domain = (id as usize % self.domains.len()) as u16;
+            let (key, remote_base) = target.keys[domain as usize];
+            let mut cache = HashMap::new();
+            match self.dest(&mut cache, std::slice::from_ref(&target), 0, domain) {
+                Ok(dest) => {
+                    let d = crate::sharding::DeferredImm { peer: 0, domain, imm };
+                    self.requests.get_mut(&id).expect("just inserted").deferred = vec![(d, dest, key, remote_base)];
+                }
+                Err(e) => return self.fail_request(id, e),
+            }
+        }
+        if self.local.is_none() {
+            match LocalChannel::new(self.paged_copy_blocks) {
+                Ok(l) => self.local = Some(l),
+                Err(e) => return self.fail_request(id, e),
+            }
+        }
+        let local = self.local.as_mut().expect("opened above");
+        match local.submit(id, region, LocalSrc { kind, ptr }, dst, copy) {
+            Ok(()) => {
+                if let Some(r) = self.regions.get_mut(&region) {
+                    r.in_flight += 1;
+                }
+            }
+            Err(e) => self.fail_request(id, e),
+        }
+    }
+
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
@@ -380,13 +458,14 @@ impl Worker {
     }
 
     fn post_or_queue(&mut self, domain: usize, post: PendingPost) {
-        if !self.pending[domain].is_empty() {
-            self.pending[domain].push_back(post);
+        let dest = post.op.dest();
+        if let Some(queue) = self.pending[domain].get_mut(&dest).filter(|q| !q.is_empty()) {
+            queue.push_back(post);
             return;
         }
         match self.try_post(domain, &post) {
             Ok(true) => {}
-            Ok(false) => self.pending[domain].push_back(post),
+            Ok(false) => self.pending[domain].entry(dest).or_default().push_back(post),
             Err(e) => self.fail_post(post, e),
         }
     }
@@ -438,25 +517,38 @@ impl Worker {
         }
     }
 
+    /// Posts what is queued for `dest` on `domain`, in order, until the provider pushes back.
+    fn retry_pending(&mut self, domain: usize, dest: u64) -> bool {
+        let mut active = false;
+        loop {
+            let Some(post) = self.pending[domain].get_mut(&dest).and_then(|q| q.pop_front()) else {
+                self.pending[domain].remove(&dest);
+                return active;
+            };
+            if !self.requests.contains_key(&post.request) {
+                if let Op::Send { slot, .. } = post.op {
+                    self.release_send_slot(slot);
+                }
+                continue; // failed or timed out meanwhile
+            }
+            match self.try_post(domain, &post) {
+                Ok(true) => active = true,
+                Ok(false) => {
+                    self.pending[domain].entry(dest).or_default().push_front(post);
+                    return active;
+                }
+                Err(e) => self.fail_post(post, e),
+            }
+        }
+    }
+
     /// Retries queued posts and drains the completion queues; true if anything happened.
     fn progress(&mut self) -> bool {
         let mut active = false;
         for domain in 0..self.domains.len() {
-            while let Some(post) = self.pending[domain].pop_front() {
-                if !self.requests.contains_key(&post.request) {
-                    if let Op::Send { slot, .. } = post.op {
-                        self.release_send_slot(slot);
-                    }
-                    continue; // failed or timed out meanwhile
-                }
-                match self.try_post(domain, &post) {
-                    Ok(true) => active = true,
-                    Ok(false) => {
-                        self.pending[domain].push_front(post);
-                        break;
-                    }
-                    Err(e) => self.fail_post(post, e),
-                }
+            let dests: Vec<u64> = self.pending[domain].keys().copied().collect();
+            for dest in dests {
+                active |= self.retry_pending(domain, dest);
             }
             if !self.domains[domain].recv_to_post.is_empty() {
                 if let Err(e) = self.domains[domain].post_receives() {
@@ -481,6 +573,19 @@ impl Worker {
                 }
             }
             self.completions = completions;
+        }
+        if let Some(local) = self.local.as_mut() {
+            let mut done = std::mem::take(&mut self.local_done);
+            if local.poll(&mut done) {
+                active = true;
+                for (request, region, result) in done.drain(..) {
+                    if let Some(r) = self.regions.get_mut(&region) {
+                        r.in_flight = r.in_flight.saturating_sub(1);
+                    }
+                    self.finish(request, result);
+                }
+            }
+            self.local_done = done;
         }
         if !self.imm_batch.is_empty() {
             let batch: Vec<(u32, u32)> = self.imm_batch.drain().collect();
@@ -637,7 +742,9 @@ impl Worker {
         self.waiting_sends.clear();
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
-                Command::Transfer(Transfer { on_done, .. }) | Command::Send(SendCommand { on_done, .. }) => {
+                Command::Transfer(Transfer { on_done, .. })
+                | Command::Local(LocalTransfer { on_done, .. })
+                | Command::Send(SendCommand { on_done, .. }) => {
                     self.callbacks.push(Box::new(move || on_done(Err(FabricError::Stopped))));
                 }
                 Command::Register { reply, .. } => {
@@ -650,6 +757,7 @@ impl Worker {
             }
         }
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
+        drop(self.local.take()); // waits for same-host copies still running
         drop(self); // closes every registration, then the endpoints and domains
         for context in outstanding {
             // SAFETY: the endpoints are closed, so the provider no longer references these

@@ -2,7 +2,7 @@
 //! Each attaches to the interpreter only while it is alive, and logs (never propagates) errors.
 use std::sync::Arc;
 
-use fabric_lib::{GenericImmCallback, OnDone, OnReached, RecvCallback};
+use fabric_lib::{GenericImmCallback, OnDone, OnReached, RecvCallback, WatcherCallback};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -54,4 +54,9 @@ pub fn on_imm(callback: Py<PyAny>) -> GenericImmCallback {
 /// `callback(data: bytes)` for every received message.
 pub fn on_recv(callback: Py<PyAny>) -> RecvCallback {
     Arc::new(move |data: Vec<u8>| call_logged(&callback, |py| pyo3::types::PyTuple::new(py, [PyBytes::new(py, &data)])))
+}
+
+/// `callback(old, new)` for every change a UVM watcher sees.
+pub fn on_watch(callback: Py<PyAny>) -> WatcherCallback {
+    Arc::new(move |old: u64, new: u64| call_logged(&callback, |py| pyo3::types::PyTuple::new(py, [old, new])))
 }

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 
 use crate::callbacks;
 use crate::errors::IntoPyResult;
+use crate::gpu::{PyGpuFlag, PyUvmWatcher};
 use crate::values::{PyEngineAddress, PyMrDescriptor};
 
 fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
@@ -18,6 +19,19 @@ fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
         return Err(PyValueError::new_err(format!("{what} must be a finite, non-negative number of seconds")));
     }
     Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Page indices from little-endian `u32` bytes (what the Python wrapper passes) or a sequence
+/// of ints.
+fn page_indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(bytes) = obj.cast::<pyo3::types::PyBytes>() {
+        let b = bytes.as_bytes();
+        if b.len() % 4 != 0 {
+            return Err(PyValueError::new_err("page index bytes must be a multiple of 4 long (little-endian u32)"));
+        }
+        return Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
+    }
+    obj.extract::<Vec<u32>>()
 }
 
 /// Native engine; use `fabric_lib.TransferEngine`, which wraps it.
@@ -31,7 +45,7 @@ impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (provider=None, domains=Vec::new(), worker_cpu=None, poll_mode="busy", transfer_timeout=30.0,
                         command_timeout=10.0, max_message_size=65536, recv_buffers=64, send_buffers=64,
-                        shard_min_bytes=262144))]
+                        shard_min_bytes=262144, paged_copy_blocks=16, uvm_watcher_cpu=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -45,7 +59,12 @@ impl PyTransferEngine {
         recv_buffers: usize,
         send_buffers: usize,
         shard_min_bytes: u64,
+        paged_copy_blocks: u32,
+        uvm_watcher_cpu: Option<usize>,
     ) -> PyResult<Self> {
+        if paged_copy_blocks == 0 || paged_copy_blocks > 65_535 {
+            return Err(PyValueError::new_err("paged_copy_blocks must be in 1..=65535"));
+        }
         let poll_mode = match poll_mode {
             "busy" => PollMode::Busy,
             "adaptive" => PollMode::ADAPTIVE,
@@ -61,6 +80,8 @@ impl PyTransferEngine {
             max_message_size,
             recv_buffers,
             send_buffers,
+            paged_copy_blocks,
+            uvm_watcher_cpu,
             ..EngineConfig::default()
         };
         let engine = py.detach(|| TransferEngine::new(config)).py(py)?;
@@ -86,13 +107,48 @@ impl PyTransferEngine {
         self.engine.config().max_message_size
     }
 
-    /// Registers host memory at `ptr`; the caller keeps it alive until unregistered.
-    fn register_memory(&self, py: Python<'_>, ptr: usize, length: usize) -> PyResult<(u64, PyMrDescriptor)> {
+    /// Registers memory at `ptr`; the caller keeps it alive until unregistered. `device`: None
+    /// detects host or CUDA memory (without loading CUDA when it is not loaded), -1 forces
+    /// host memory, N >= 0 CUDA memory of device N.
+    #[pyo3(signature = (ptr, length, device=None))]
+    fn register_memory(&self, py: Python<'_>, ptr: usize, length: usize, device: Option<i64>) -> PyResult<(u64, PyMrDescriptor)> {
+        let kind = match device {
+            None => fabric_lib::gpu::detect_memory_kind(ptr as u64),
+            Some(d) if d < 0 => MemoryKind::Host,
+            Some(d) => MemoryKind::Cuda(u32::try_from(d).map_err(|_| PyValueError::new_err("device out of range"))?),
+        };
         // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
         // registration exists; raw-pointer callers accept that contract in the docs.
-        let (handle, desc) =
-            py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, MemoryKind::Host) }).py(py)?;
+        let (handle, desc) = py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, kind) }).py(py)?;
         Ok((handle.0, PyMrDescriptor(desc)))
+    }
+
+    /// A UVM watcher on `device`: `callback(old, new)` runs on the callback thread per change.
+    #[pyo3(signature = (callback, device=0))]
+    fn alloc_uvm_watcher(&self, py: Python<'_>, callback: Py<PyAny>, device: usize) -> PyResult<PyUvmWatcher> {
+        let cb = callbacks::on_watch(callback);
+        py.detach(|| self.engine.alloc_uvm_watcher(device, cb)).py(py).map(PyUvmWatcher)
+    }
+
+    /// A GPU flag (mapped pinned host memory) for `device`.
+    #[pyo3(signature = (device=0))]
+    fn alloc_gpu_flag(&self, py: Python<'_>, device: usize) -> PyResult<PyGpuFlag> {
+        py.detach(|| self.engine.alloc_gpu_flag(device)).py(py).map(PyGpuFlag)
+    }
+
+    /// Sets `flag` to `value` once `imm` arrived `count` times, then calls `callback` if given.
+    #[pyo3(signature = (imm, count, flag, value, callback=None))]
+    fn set_imm_count_expected_flag(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        count: u64,
+        flag: PyRef<'_, PyGpuFlag>,
+        value: u64,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let flag = flag.0.clone();
+        self.engine.set_imm_count_expected_flag(imm, count, flag, value, callback.map(callbacks::on_reached)).py(py)
     }
 
     fn unregister_memory(&self, py: Python<'_>, handle: u64) -> PyResult<()> {
@@ -134,17 +190,18 @@ impl PyTransferEngine {
         py: Python<'_>,
         page_len: u64,
         src: u64,
-        src_pages: Vec<u32>,
+        src_pages: &Bound<'_, PyAny>,
         src_stride: u64,
         src_offset: u64,
         dst: PyRef<'_, PyMrDescriptor>,
-        dst_pages: Vec<u32>,
+        dst_pages: &Bound<'_, PyAny>,
         dst_stride: u64,
         dst_offset: u64,
         imm: Option<u32>,
         callback: Py<PyAny>,
     ) -> PyResult<()> {
         let dst = &dst.0;
+        let (src_pages, dst_pages) = (page_indices(src_pages)?, page_indices(dst_pages)?);
         let req = PagedWriteRequest {
             page_len,
             src: MrHandle(src),

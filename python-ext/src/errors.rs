@@ -12,6 +12,8 @@ fn class_name(e: &FabricError) -> &'static str {
         FabricError::TransferFailed(_) => "TransferError",
         FabricError::Timeout(_) => "FabricTimeoutError",
         FabricError::Stopped => "EngineStoppedError",
+        FabricError::CudaUnavailable(_) => "CudaUnavailableError",
+        FabricError::Cuda(_) => "CudaError",
     }
 }
 

@@ -2,9 +2,11 @@
 //! error mapping live here; the logic is in the `fabric-lib` crate.
 use pyo3::prelude::*;
 
+mod all_to_all;
 mod callbacks;
 mod engine;
 mod errors;
+mod gpu;
 mod values;
 
 /// Lists the (provider, domain) pairs an engine can open on this machine.
@@ -20,6 +22,17 @@ fn detect_topology_json(py: Python<'_>) -> String {
     serde_json::to_string(&topo).expect("topology is plain data")
 }
 
+/// The GPU classes and functions (see `gpu.rs`).
+fn gpu_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<gpu::PyUvmWatcher>()?;
+    m.add_class::<gpu::PyGpuFlag>()?;
+    m.add_class::<gpu::PySignalStream>()?;
+    m.add_function(wrap_pyfunction!(gpu::cuda_device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::cuda_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::memory_kind, m)?)?;
+    Ok(())
+}
+
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = tracing_subscriber::fmt()
@@ -32,5 +45,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(list_providers, m)?)?;
     m.add_function(wrap_pyfunction!(detect_topology_json, m)?)?;
     m.add("ENCODING_VERSION", fabric_lib::ENCODING_VERSION)?;
+    all_to_all::register(m)?;
+    gpu_module(m)?;
     Ok(())
 }

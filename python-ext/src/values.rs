@@ -92,6 +92,12 @@ impl PyMrDescriptor {
         }
     }
 
+    /// False for GPU regions registered for same-host (CUDA IPC) transfers only.
+    #[getter]
+    fn network_reachable(&self) -> bool {
+        self.0.network_reachable()
+    }
+
     /// Address of the owning engine.
     #[getter]
     fn owner(&self) -> PyEngineAddress {

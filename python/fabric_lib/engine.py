@@ -8,6 +8,7 @@ operations are ordered with respect to each other. Every ``submit_*`` returns a
 
 from __future__ import annotations
 
+import array
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Literal, Sequence
@@ -22,7 +23,10 @@ EngineAddress = _rust.EngineAddress
 MrDescriptor = _rust.MrDescriptor
 OnDone = Callable[[BaseException | None], None]
 
-__all__ = ["TransferEngine", "EngineAddress", "MrDescriptor", "MemoryRegion"]
+UvmWatcher = _rust.UvmWatcher
+GpuFlag = _rust.GpuFlag
+
+__all__ = ["EngineAddress", "GpuFlag", "MemoryRegion", "MrDescriptor", "TransferEngine", "UvmWatcher"]
 
 
 class MemoryRegion:
@@ -37,7 +41,12 @@ class MemoryRegion:
         self._owner = owner  # the tensor/buffer whose memory is registered
 
     def __repr__(self) -> str:
-        return f"MemoryRegion(handle={self.handle}, length={self.length})"
+        return f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind})"
+
+    @property
+    def kind(self) -> str:
+        """"host" or "cuda:N"."""
+        return self.descriptor.kind
 
 
 def _as_descriptor(dst: MrDescriptor | bytes) -> MrDescriptor:
@@ -59,11 +68,21 @@ def _check_non_negative(**values: int) -> None:
             raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
 
 
-def _page_list(pages: Sequence[int]) -> list[int]:
-    out = [int(p) for p in pages]
-    if any(not 0 <= p < 2**32 for p in out):
-        raise InvalidArgumentError("page indices must be in [0, 2**32)")
-    return out
+def _page_list(pages: Any) -> bytes:
+    """Page indices as little-endian uint32 bytes (C-speed for lists, numpy arrays and tensors)."""
+    if hasattr(pages, "__array__") or hasattr(pages, "numpy"):
+        import numpy as np
+
+        arr = np.asarray(pages.cpu() if hasattr(pages, "cpu") else pages)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise InvalidArgumentError("page indices must be a 1-D sequence of integers")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+            raise InvalidArgumentError("page indices must be in [0, 2**32)")
+        return arr.astype("<u4", copy=False).tobytes()
+    try:
+        return array.array("I", pages).tobytes()
+    except (OverflowError, TypeError) as e:
+        raise InvalidArgumentError(f"page indices must be integers in [0, 2**32): {e}") from None
 
 
 class TransferEngine:
@@ -80,6 +99,15 @@ class TransferEngine:
         transfer_timeout: seconds after which an unfinished request fails (dead peer).
         command_timeout: seconds to wait for the worker to accept or answer a command.
         max_message_size: largest two-sided message in bytes.
+        paged_copy_blocks: blocks (SMs) of the same-host paged-copy kernel (GPU memory).
+        uvm_watcher_cpu: CPU to pin the UVM watcher threads to.
+
+    GPU memory (``register_tensor`` of a CUDA tensor) is reached from the same host through CUDA
+    IPC: writes where either side is GPU memory and the destination's engine runs on this host
+    are copied by CUDA (copy engines for single writes, a 16-block kernel for paged writes); the
+    immediate follows over the provider once the data is visible. The providers here have no
+    FI_HMEM, so GPU memory cannot be written to or from another host: that raises
+    ``ProviderUnavailableError`` saying so. CUDA is loaded on first GPU use only.
     """
 
     def __init__(
@@ -95,6 +123,8 @@ class TransferEngine:
         recv_buffers: int = 64,
         send_buffers: int = 64,
         shard_min_bytes: int = 256 * 1024,
+        paged_copy_blocks: int = 16,
+        uvm_watcher_cpu: int | None = None,
     ) -> None:
         domains = [] if domain is None else [domain] if isinstance(domain, str) else list(domain)
         if worker_cpu == "auto":
@@ -111,6 +141,8 @@ class TransferEngine:
             recv_buffers,
             send_buffers,
             shard_min_bytes,
+            paged_copy_blocks,
+            uvm_watcher_cpu,
         )
         self._regions: dict[int, MemoryRegion] = {}
         self._lock = threading.Lock()
@@ -147,30 +179,37 @@ class TransferEngine:
 
     # -- memory -----------------------------------------------------------------------------
     def register_tensor(self, tensor: Any) -> MemoryRegion:
-        """Registers a contiguous CPU torch tensor; the region keeps the tensor alive."""
+        """Registers a contiguous torch tensor (CPU or CUDA); the region keeps the tensor alive.
+
+        A CUDA tensor must come from ``cudaMalloc``-backed memory (torch's default caching
+        allocator; not ``expandable_segments``); it is reachable from engines on this host only.
+        """
         if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "is_contiguous"):
             raise InvalidArgumentError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_contiguous():
             raise InvalidArgumentError("tensor must be contiguous (call .contiguous() first)")
-        if tensor.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"tensor is on {tensor.device}; this engine's provider registers host memory only"
-            )
+        if tensor.device.type == "cpu":
+            device = -1
+        elif tensor.device.type == "cuda":
+            device = tensor.device.index if tensor.device.index is not None else 0
+        else:
+            raise InvalidArgumentError(f"tensor is on {tensor.device}; only CPU and CUDA tensors can be registered")
         length = tensor.numel() * tensor.element_size()
-        return self._register(tensor.data_ptr(), length, tensor)
+        return self._register(tensor.data_ptr(), length, tensor, device)
 
-    def register_memory(self, ptr: int, length: int, owner: Any = None) -> MemoryRegion:
-        """Registers raw host memory ``[ptr, ptr + length)``.
+    def register_memory(self, ptr: int, length: int, owner: Any = None, *, device: int | None = None) -> MemoryRegion:
+        """Registers raw memory ``[ptr, ptr + length)``: host memory, or CUDA device memory
+        (detected, or given as ``device``; -1 forces host).
 
         The memory must stay allocated until ``unregister_memory``; pass ``owner`` to have the
         region keep the owning object alive.
         """
         if ptr < 0 or length < 0:
             raise InvalidArgumentError("ptr and length must be non-negative")
-        return self._register(ptr, length, owner)
+        return self._register(ptr, length, owner, device)
 
-    def _register(self, ptr: int, length: int, owner: Any) -> MemoryRegion:
-        handle, descriptor = self._native.register_memory(ptr, length)
+    def _register(self, ptr: int, length: int, owner: Any, device: int | None = None) -> MemoryRegion:
+        handle, descriptor = self._native.register_memory(ptr, length, device)
         region = MemoryRegion(handle, descriptor, length, owner)
         with self._lock:
             self._regions[handle] = region
@@ -331,10 +370,41 @@ class TransferEngine:
         delivered once it is set."""
         self._native.set_recv_callback(None if callback is None else guarded(callback))
 
+    # -- GPU signalling ---------------------------------------------------------------------
+    def alloc_uvm_watcher(self, callback: Callable[[int, int], None], device: int = 0) -> UvmWatcher:
+        """A 64-bit word in mapped pinned host memory that kernels (also inside CUDA graphs) write
+        at ``watcher.ptr``; a polling thread per device calls ``callback(old, new)`` on the
+        engine's callback thread after each change it sees (fast successive writes coalesce:
+        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching."""
+        return self._native.alloc_uvm_watcher(guarded(callback), device)
+
+    def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
+        """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an
+        immediate count set it (``set_imm_count_expected(..., flag=flag)``). Mapped pinned host
+        memory (no GDRCopy on these hosts)."""
+        return self._native.alloc_gpu_flag(device)
+
     # -- immediates -------------------------------------------------------------------------
-    def set_imm_count_expected(self, imm: int, count: int, on_reached: Callable[[], None]) -> None:
+    def set_imm_count_expected(
+        self,
+        imm: int,
+        count: int,
+        on_reached: Callable[[], None] | None = None,
+        *,
+        flag: GpuFlag | None = None,
+        flag_value: int = 1,
+    ) -> None:
         """Calls ``on_reached()`` exactly once, when ``imm`` has arrived ``count`` times
-        (arrivals before this call count); then those ``count`` arrivals are consumed."""
+        (arrivals before this call count); then those ``count`` arrivals are consumed.
+
+        With ``flag``, the flag is set to ``flag_value`` when the count is reached (in Rust, no
+        Python on that path), before ``on_reached`` runs (which is then optional)."""
+        if flag is not None:
+            cb = None if on_reached is None else guarded(on_reached)
+            self._native.set_imm_count_expected_flag(imm, count, flag, flag_value, cb)
+            return
+        if on_reached is None:
+            raise InvalidArgumentError("set_imm_count_expected needs on_reached or flag")
         self._native.set_imm_count_expected(imm, count, guarded(on_reached))
 
     def expect_imm_count(self, imm: int, count: int) -> Future[None]:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 __all__ = [
+    "CudaError",
+    "CudaUnavailableError",
+    "EngineStoppedError",
     "FabricError",
-    "ProviderUnavailableError",
+    "FabricTimeoutError",
     "InvalidArgumentError",
     "InvalidDescriptorError",
+    "ProviderUnavailableError",
     "TransferError",
-    "FabricTimeoutError",
-    "EngineStoppedError",
-    "CudaUnavailableError",
 ]
 
 
@@ -43,4 +44,9 @@ class EngineStoppedError(FabricError):
 
 
 class CudaUnavailableError(FabricError):
-    """A GPU feature was used where CUDA (driver, device or kernels) is missing."""
+    """A GPU feature was used where CUDA (driver, device or kernels) is missing; the message says
+    what is missing and how to get it."""
+
+
+class CudaError(FabricError):
+    """A CUDA driver call failed (e.g. an IPC handle could not be opened: region freed, peer gone)."""

@@ -1,2 +1,3 @@
-//! Transports. One domain is one NIC (or one same-host channel); only libfabric exists so far.
+//! Transports. One domain is one NIC; `local` is the same-host channel (CUDA IPC + copy engines).
 pub mod libfabric;
+pub(crate) mod local;

@@ -1,0 +1,384 @@
+"""MoE dispatch/combine latency: fabric_lib.all_to_all (NVLink) against torch.distributed + NCCL.
+
+    python -m benchmarks.bench_all_to_all                      # every GPU of this host, decode defaults
+    python -m benchmarks.bench_all_to_all --world-size 4 --tokens 128 4096 --dispatch-dtype fp8 bf16
+
+Launched once, it spawns ``--world-size`` processes (one per GPU); under torchrun (RANK and
+WORLD_SIZE set) it runs as that rank. For every (tokens, dispatch dtype) it measures, per
+iteration and as the slowest rank's time (CUDA events; the GPUs are lined up by an all-reduce
+behind a sleep kernel, so host launch overhead is not counted):
+
+- ``dispatch`` / ``combine``: both halves back to back;
+- ``dispatch_send`` + ``dispatch_recv`` / ``combine_send`` + ``combine_recv``: the halves with a
+  matmul between them (what remains of the transfer once other work overlapped it);
+- ``nccl_dispatch`` / ``nccl_combine``: the same routing (each token once per destination rank)
+  through a counts exchange and an uneven ``all_to_all_single`` (host sync for the split sizes),
+  combine as the reverse ``all_to_all_single`` plus an fp32 ``index_add_``.
+
+p50 and p99 go to stdout and JSON (``--out``), and a PNG next to it when matplotlib is installed.
+Only NVLink ranks of one host are implemented (``--nvlink``); ``--nets-per-gpu`` and
+``--node-rank`` are recorded for the later RDMA path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SLEEP_CYCLES = 600_000  # ~300 us at 1.98 GHz: the host enqueues one iteration meanwhile
+DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU of this host)")
+    p.add_argument("--nets-per-gpu", type=int, default=0, help="NICs per GPU (recorded; NVLink only for now)")
+    p.add_argument(
+        "--init-method", default=None, help="torch.distributed init method (default: tcp on localhost)"
+    )
+    p.add_argument("--node-rank", type=int, default=0, help="this host's rank (only 0: one host)")
+    p.add_argument(
+        "--nvlink", action=argparse.BooleanOptionalAction, default=True, help="NVLink between ranks"
+    )
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=[128], help="tokens per rank (several: one run each)"
+    )
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dispatch-dtype", nargs="+", choices=sorted(DTYPES), default=["fp8"])
+    p.add_argument("--combine-dtype", choices=["bf16"], default="bf16")
+    p.add_argument("--max-tokens-per-expert", type=int, default=None, help="default: 2x the uniform mean")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
+    p.add_argument("--out", default="bench-results/bench_all_to_all.json")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Per-iteration segments timed with CUDA events, the GPUs lined up before each phase."""
+
+    def __init__(self) -> None:
+        self.line = torch.zeros(1, device="cuda")
+        self.marks: list[list[torch.cuda.Event]] = []
+
+    def align(self) -> None:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        dist.all_reduce(self.line)
+
+    def phase(self, fns: list[Any]) -> None:
+        self.align()
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
+        evs[0].record()
+        for fn, ev in zip(fns, evs[1:], strict=True):
+            fn()
+            ev.record()
+        self.marks.append(evs)
+
+    def segments_us(self) -> list[list[float]]:
+        torch.cuda.synchronize()
+        out = [[1000.0 * a.elapsed_time(b) for a, b in itertools.pairwise(evs)] for evs in self.marks]
+        self.marks = []
+        return out
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    t = torch.tensor(xs, dtype=torch.float64)
+    return {
+        "p50": round(float(t.quantile(0.5)), 2),
+        "p99": round(float(t.quantile(0.99)), 2),
+        "mean": round(float(t.mean()), 2),
+    }
+
+
+# ------------------------------------------------------------------------------------- workload
+
+
+def make_inputs(T: int, H: int, E: int, K: int, dtype: Any, seed: int) -> tuple[Any, Any, Any, Any]:
+    g = torch.Generator().manual_seed(seed)
+    xf = torch.randn(T, H, generator=g).cuda()
+    idx = torch.rand(T, E, generator=g).topk(K, dim=-1).indices.cuda()
+    w = torch.rand(T, K, generator=g).softmax(-1).cuda()
+    if dtype == torch.bfloat16:
+        return xf.bfloat16(), None, idx, w
+    blocks = xf.view(T, H // 128, 128)
+    scales = (blocks.abs().amax(-1).clamp(min=1e-4) / 448.0).contiguous()
+    q = (blocks / scales[..., None]).to(torch.float8_e4m3fn).view(T, H)
+    return q, scales, idx, w
+
+
+class NcclAllToAll:
+    """The same routing with torch.distributed: one row per (token, destination rank)."""
+
+    def __init__(self, world: int, local_experts: int) -> None:
+        self.world, self.L = world, local_experts
+
+    def dispatch(self, x: Any, scales: Any, idx: Any) -> Any:
+        T = x.shape[0]
+        valid = idx >= 0
+        dst = torch.where(valid, idx // self.L, torch.zeros_like(idx))
+        hits = torch.zeros((T, self.world), dtype=torch.int32, device=x.device)
+        hits.scatter_add_(1, dst, valid.to(torch.int32))
+        mask = hits > 0
+        _, t_idx = mask.t().nonzero(as_tuple=True)
+        parts = [x.view(torch.uint8)]
+        if scales is not None:
+            parts.append(scales.view(torch.uint8))
+        parts.append(idx.to(torch.int32).view(torch.uint8))
+        packed = torch.cat(parts, dim=1)[t_idx]
+        send_counts = mask.sum(0)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
+        recv = torch.empty((sum(out_splits), packed.shape[1]), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(recv, packed, out_splits, in_splits)
+        return recv, (t_idx, in_splits, out_splits, T)
+
+    def combine(self, expert_rows: Any, state: Any) -> Any:
+        t_idx, in_splits, out_splits, T = state
+        back = torch.empty(
+            (t_idx.shape[0], expert_rows.shape[1]), dtype=expert_rows.dtype, device=expert_rows.device
+        )
+        dist.all_to_all_single(back, expert_rows, in_splits, out_splits)
+        out = torch.zeros((T, expert_rows.shape[1]), dtype=torch.float32, device=expert_rows.device)
+        out.index_add_(0, t_idx, back.float())
+        return out.bfloat16()
+
+
+def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, world: int) -> dict[str, Any]:
+    from fabric_lib.all_to_all import AllToAll
+
+    H, E, K = args.hidden, args.experts, args.topk
+    dtype = DTYPES[dtype_name]
+    L = E // world
+    rows = args.max_tokens_per_expert or min(world * T, max(128, 2 * T * world * K // E))
+    x, scales, idx, w = make_inputs(T, H, E, K, dtype, seed=1000 + rank)
+    a2a = AllToAll(
+        max_num_tokens=T,
+        hidden=H,
+        num_experts=E,
+        experts_per_token=K,
+        dispatch_dtype=dtype,
+        max_tokens_per_expert=rows,
+    )
+    expert_out = torch.randn((L, rows, H), device="cuda").bfloat16()
+    work_a = torch.randn((2048, 4096), device="cuda").bfloat16()
+    work_b = torch.randn((4096, 4096), device="cuda").bfloat16()
+    timer = Timer()
+    seg: dict[str, list[float]] = {}
+
+    def record(names: list[str]) -> None:
+        for it in timer.segments_us()[args.warmup :]:
+            for name, v in zip(names, it, strict=True):
+                if name:
+                    seg.setdefault(name, []).append(v)
+
+    # Back to back.
+    for _ in range(args.warmup + args.iters):
+        timer.phase([lambda: a2a.dispatch(x, idx, scales=scales)])
+    record(["dispatch"])
+    for _ in range(args.warmup + args.iters):
+        timer.phase([lambda: a2a.combine(expert_out, idx, w)])
+    record(["combine"])
+    # Halves split around a matmul.
+    for _ in range(args.warmup + args.iters):
+        timer.phase(
+            [
+                lambda: a2a.dispatch(x, idx, scales=scales, do_recv=False),
+                lambda: work_a @ work_b,
+                lambda: a2a.dispatch(do_send=False),
+            ]
+        )
+    record(["dispatch_send", "work", "dispatch_recv"])
+    for _ in range(args.warmup + args.iters):
+        timer.phase(
+            [
+                lambda: a2a.combine(expert_out, idx, w, do_recv=False),
+                lambda: work_a @ work_b,
+                lambda: a2a.combine(None, idx, None, do_send=False),
+            ]
+        )
+    record(["combine_send", "work", "combine_recv"])
+    a2a.check()
+    # Correctness spot check of the benchmarked shapes: combine of "identity experts" = x * sum(w).
+    out = a2a.dispatch(x, idx, scales=scales)
+    xf = out.x.float()
+    if out.scales is not None:
+        xf = xf * out.scales.repeat_interleave(128, dim=-1)
+    got = a2a.combine(xf.bfloat16(), idx, w)
+    ref = x.float() if scales is None else (x.float().view(T, H // 128, 128) * scales[..., None]).view(T, H)
+    ref = ref * w.sum(-1, keepdim=True)
+    max_err = float(((got.float() - ref).abs() - 2e-2 * ref.abs()).amax()) if T else 0.0
+    a2a.check()
+    a2a.destroy()
+    del out, xf, got
+
+    if not args.no_nccl:
+        nccl = NcclAllToAll(world, L)
+        recv, state = nccl.dispatch(x, scales, idx)
+        rows_back = torch.randn((recv.shape[0], H), device="cuda").bfloat16()
+        for _ in range(args.warmup + args.iters):
+            timer.phase([lambda: nccl.dispatch(x, scales, idx)])
+        record(["nccl_dispatch"])
+        for _ in range(args.warmup + args.iters):
+            timer.phase([lambda: nccl.combine(rows_back, state)])
+        record(["nccl_combine"])
+
+    # Slowest rank per iteration.
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, seg)
+    worst = {k: [max(g[k][i] for g in gathered) for i in range(len(seg[k]))] for k in seg}
+    errs: list[Any] = [None] * world
+    dist.all_gather_object(errs, max_err)
+    stats = {k: percentiles(v) for k, v in worst.items()}
+    for k in ("dispatch", "combine"):
+        send, recv = worst[f"{k}_send"], worst[f"{k}_recv"]
+        stats[f"{k}_split_total"] = percentiles([a + b for a, b in zip(send, recv, strict=True)])
+    return {
+        "tokens": T,
+        "hidden": H,
+        "experts": E,
+        "topk": K,
+        "dispatch_dtype": dtype_name,
+        "combine_dtype": args.combine_dtype,
+        "world_size": world,
+        "max_tokens_per_expert": rows,
+        "iters": args.iters,
+        "max_combine_error": max(errs),
+        "latency_us": stats,
+    }
+
+
+def worker(local_rank: int, args: argparse.Namespace, world: int) -> None:
+    for k, v in {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }.items():
+        os.environ.setdefault(k, v)
+    rank = int(os.environ.get("RANK", local_rank))
+    local = int(os.environ.get("LOCAL_RANK", local_rank))
+    torch.cuda.set_device(local)
+    dist.init_process_group(
+        "nccl",
+        init_method=args.init_method or "env://",
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", local),
+        timeout=datetime.timedelta(seconds=300),
+    )
+    results = []
+    for T in args.tokens:
+        for dt in args.dispatch_dtype:
+            t0 = time.monotonic()
+            res = bench_config(args, T, dt, rank, world)
+            results.append(res)
+            if rank == 0:
+                s = res["latency_us"]
+                line = (
+                    f"EP{world} T={T} {dt}: dispatch p50 {s['dispatch']['p50']} p99 {s['dispatch']['p99']} | "
+                    f"combine p50 {s['combine']['p50']} p99 {s['combine']['p99']} | "
+                    f"split d {s['dispatch_send']['p50']}+{s['dispatch_recv']['p50']} "
+                    f"c {s['combine_send']['p50']}+{s['combine_recv']['p50']}"
+                )
+                if "nccl_dispatch" in s:
+                    line += f" | NCCL {s['nccl_dispatch']['p50']} / {s['nccl_combine']['p50']}"
+                print(
+                    f"{line}  (err {res['max_combine_error']:.3g}, {time.monotonic() - t0:.1f}s)", flush=True
+                )
+    if rank == 0:
+        report = {
+            "benchmark": "bench_all_to_all",
+            "device": torch.cuda.get_device_name(),
+            "world_size": world,
+            "nets_per_gpu": args.nets_per_gpu,
+            "nvlink": args.nvlink,
+            "results": results,
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}")
+        plot(report, out.with_suffix(".png"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (the JSON has every number)")
+        return
+    kinds = [
+        "dispatch",
+        "combine",
+        "dispatch_split_total",
+        "combine_split_total",
+        "nccl_dispatch",
+        "nccl_combine",
+    ]
+    fig, axes = plt.subplots(
+        1, len(report["results"]), figsize=(5 * len(report["results"]), 4), squeeze=False
+    )
+    for ax, res in zip(axes[0], report["results"], strict=True):
+        s = res["latency_us"]
+        names = [k for k in kinds if k in s]
+        p50 = [s[k]["p50"] for k in names]
+        p99 = [s[k]["p99"] for k in names]
+        pos = range(len(names))
+        ax.bar(pos, p50, color=["tab:blue" if not k.startswith("nccl") else "tab:gray" for k in names])
+        ax.scatter(pos, p99, color="black", marker="_", s=200, label="p99")
+        ax.set_xticks(list(pos), [n.replace("_", "\n") for n in names], fontsize=7)
+        ax.set_ylabel("µs (slowest rank)")
+        ax.set_title(f"EP{res['world_size']} {res['tokens']} tok {res['dispatch_dtype']}")
+        ax.legend()
+    fig.suptitle(f"MoE all-to-all on {report['device']}: p50 bars, p99 ticks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.nvlink:
+        sys.exit("only the NVLink path is implemented (remote RDMA ranks come with the CPU proxy)")
+    if args.node_rank != 0:
+        sys.exit("one host only: --node-rank must be 0 until the RDMA path exists")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        worker(int(os.environ.get("LOCAL_RANK", "0")), args, int(os.environ["WORLD_SIZE"]))
+        return
+    gpus = torch.cuda.device_count()
+    world = args.world_size or gpus
+    if world < 1 or world > gpus:
+        sys.exit(f"--world-size {world} needs that many GPUs on this host (found {gpus})")
+    if args.init_method is None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(args, world), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+//! [`AllToAll`]: the buffers of one rank, the peers' buffers mapped through CUDA IPC, and the
+//! four launches (dispatch send/recv, combine send/recv) on a caller-provided stream.
+use std::sync::{atomic::Ordering, Arc};
+
+use cuda_lib::{
+    ipc_export, Context, DeviceBuffer, IpcMapping, IpcMemHandle, PinnedHostBuffer, Stream,
+};
+
+use crate::{
+    config::{Config, DispatchDtype, THREADS},
+    error::{invalid, A2aError, Result},
+    kernels::Kernels,
+    layout::{Layout, HOST_COUNTS_OFFSET, HOST_SEQ_OFFSET, NUM_ERROR_WORDS},
+    params::{
+        CombineRecvParams, CombineSendParams, Common, DispatchRecvParams, DispatchSendParams,
+    },
+};
+
+/// Errors the kernels report through the host block (bit `i` of [`AllToAll::errors`]).
+pub mod device_error {
+    /// A kernel waited longer than the timeout for a peer; the object is unusable afterwards.
+    pub const TIMEOUT: u32 = 1 << 0;
+    /// An expert index was `>= num_experts` or `< -1` (that slot was skipped).
+    pub const BAD_EXPERT: u32 = 1 << 1;
+    /// The device token count was negative or above the rows of `x` (rows of `x` were used).
+    pub const BAD_NUM_TOKENS: u32 = 1 << 2;
+    /// A local expert received more rows than `max_tokens_per_expert` (the extra rows were dropped).
+    pub const EXPERT_OVERFLOW: u32 = 1 << 3;
+}
+
+const HANDLE_MAGIC: &[u8; 4] = b"A2A1";
+const HANDLE_LEN: usize = 4 + 8 * 5 + 64;
+const MAX_STATIC_SHARED: usize = 48 * 1024;
+
+/// Arguments of [`AllToAll::dispatch_send`]: device addresses and strides (bytes unless noted).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DispatchSend {
+    /// Tokens `[num_tokens, hidden]` of the configured dtype, 16-byte aligned rows.
+    pub x: u64,
+    /// Bytes between rows of `x`.
+    pub x_stride: u64,
+    /// fp32 scales `[num_tokens, hidden / 128]` (fp8 only; 0 for bf16).
+    pub scales: u64,
+    /// Bytes between rows of `scales`.
+    pub scales_stride: u64,
+    /// Expert ids `[num_tokens, K]` (int32 or int64; -1 = no expert).
+    pub indices: u64,
+    /// Elements between rows of `indices`.
+    pub indices_stride: u64,
+    /// Whether `indices` holds int64.
+    pub indices_are_i64: bool,
+    /// Rows of `x` (and `indices`).
+    pub num_tokens: usize,
+    /// Optional device `int32` holding the live token count (`<= num_tokens`), read by the kernel.
+    pub num_tokens_ptr: u64,
+    /// Whether to publish per-expert counts to the host block ([`AllToAll::host_counts`]).
+    pub publish_host_counts: bool,
+}
+
+/// Arguments of [`AllToAll::dispatch_recv`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DispatchRecv {
+    /// Output `[local_experts, max_tokens_per_expert, hidden]`, contiguous.
+    pub out_x: u64,
+    /// Output fp32 scales `[local_experts, max_tokens_per_expert, hidden / 128]` (fp8 only).
+    pub out_scales: u64,
+    /// Output rows per local expert, `[local_experts]` int32.
+    pub out_counts: u64,
+}
+
+/// Arguments of [`AllToAll::combine_send`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CombineSend {
+    /// Expert outputs, bf16 rows in dispatch's layout (`[local_experts * max_tokens_per_expert, hidden]`).
+    pub expert_out: u64,
+    /// Bytes between rows of `expert_out`.
+    pub expert_out_stride: u64,
+    /// fp32 top-k weights of this rank's tokens `[num_tokens, K]`.
+    pub weights: u64,
+    /// Elements between rows of `weights`.
+    pub weights_stride: u64,
+}
+
+/// Arguments of [`AllToAll::combine_recv`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CombineRecv {
+    /// Output `[num_rows, hidden]` bf16.
+    pub out: u64,
+    /// Bytes between rows of `out`.
+    pub out_stride: u64,
+    /// Rows of `out` (rows past the live token count are zeroed).
+    pub num_rows: usize,
+}
+
+/// One rank's side of an expert-parallel all-to-all over NVLink.
+///
+/// Created per rank with [`AllToAll::new`]; every rank then shares [`AllToAll::export_handle`]
+/// with the others (any collective) and calls [`AllToAll::connect`] with all handles in rank
+/// order. Calls must then be made by every rank, in the same order: dispatch send, dispatch recv,
+/// combine send, combine recv (either half may be repeated alone as long as every rank does).
+#[derive(Debug)]
+pub struct AllToAll {
+    cfg: Config,
+    layout: Layout,
+    // Declared before the buffers: dropped (closed) first.
+    peers: Vec<IpcMapping>,
+    kernels: Kernels,
+    shared: DeviceBuffer,
+    state: DeviceBuffer,
+    host: PinnedHostBuffer,
+    common: Option<Common>,
+    dispatch_grid: u32,
+    combine_grid: u32,
+    send_shared_bytes: u32,
+    ctx: Arc<Context>,
+}
+
+impl AllToAll {
+    /// Allocates this rank's buffers on `device` (zeroed) and loads the kernels.
+    pub fn new(device: usize, cfg: Config) -> Result<Self> {
+        cfg.validate()?;
+        let ctx = Context::new(device)?;
+        let sms = ctx.device().multiprocessor_count()?;
+        // Dispatch kernels run two blocks per multiprocessor (few registers, latency-bound);
+        // combine kernels one (more registers). Combine send needs a block per rank.
+        let dispatch_grid = 2 * sms;
+        let combine_grid = sms.max(cfg.world_size as u32);
+        let chunk = cfg.max_num_tokens.div_ceil(dispatch_grid as usize);
+        let send_shared = 4 * (2 * cfg.num_experts + chunk * cfg.experts_per_token);
+        if send_shared > MAX_STATIC_SHARED {
+            return Err(invalid!(
+                "max_num_tokens {} with {} experts per token needs {send_shared} bytes of shared \
+                 memory per block (limit {MAX_STATIC_SHARED})",
+                cfg.max_num_tokens,
+                cfg.experts_per_token
+            ));
+        }
+        let layout = Layout::new(&cfg);
+        let kernels = Kernels::load(&ctx)?;
+        let shared = DeviceBuffer::new(&ctx, layout.shared_bytes)?;
+        let state = DeviceBuffer::new(&ctx, layout.state_bytes)?;
+        let host = PinnedHostBuffer::new(&ctx, layout.host_bytes)?;
+        let stream = Stream::new(&ctx)?;
+        // SAFETY: both ranges are the buffers just allocated, untouched by anyone else yet.
+        unsafe {
+            stream.memset_d8_async(shared.ptr(), 0, layout.shared_bytes)?;
+            stream.memset_d8_async(state.ptr(), 0, layout.state_bytes)?;
+        }
+        stream.synchronize()?;
+        Ok(AllToAll {
+            cfg,
+            layout,
+            peers: Vec::new(),
+            kernels,
+            shared,
+            state,
+            host,
+            common: None,
+            dispatch_grid,
+            combine_grid,
+            send_shared_bytes: send_shared as u32,
+            ctx,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The buffer layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Blocks per launch of (dispatch kernels, combine kernels).
+    pub fn grid(&self) -> (u32, u32) {
+        (self.dispatch_grid, self.combine_grid)
+    }
+
+    /// Whether [`AllToAll::connect`] succeeded.
+    pub fn is_connected(&self) -> bool {
+        self.common.is_some()
+    }
+
+    /// What a peer needs to map this rank's receive buffers (opaque bytes).
+    pub fn export_handle(&self) -> Result<Vec<u8>> {
+        let export = ipc_export(&self.ctx, self.shared.ptr())?;
+        let mut out = Vec::with_capacity(HANDLE_LEN);
+        out.extend_from_slice(HANDLE_MAGIC);
+        for v in [
+            self.cfg.rank as u64,
+            self.cfg.world_size as u64,
+            self.layout.shared_bytes as u64,
+            export.offset,
+            export.alloc_len as u64,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&export.handle.0);
+        Ok(out)
+    }
+
+    /// Maps every peer's buffers; `handles[r]` is rank r's [`AllToAll::export_handle`] (this
+    /// rank's own entry is checked and otherwise ignored). Every rank must have zeroed its
+    /// buffers (done by `new`) before any rank launches: exchange handles after `new` on all.
+    pub fn connect(&mut self, handles: &[Vec<u8>]) -> Result<()> {
+        if self.common.is_some() {
+            return Err(invalid!("already connected"));
+        }
+        let w = self.cfg.world_size;
+        if handles.len() != w {
+            return Err(invalid!("{} handles for a world of {w}", handles.len()));
+        }
+        let mut peer_ptrs = [0u64; crate::config::MAX_PEERS];
+        let mut peers = Vec::new();
+        for (r, bytes) in handles.iter().enumerate() {
+            let h = decode_handle(bytes)?;
+            if h.rank != r || h.world != w || h.shared_bytes != self.layout.shared_bytes {
+                return Err(invalid!(
+                    "handle {r} is rank {} of {} with {} shared bytes; expected rank {r} of {w} with {} \
+                     (every rank must use the same sizes)",
+                    h.rank,
+                    h.world,
+                    h.shared_bytes,
+                    self.layout.shared_bytes
+                ));
+            }
+            if r == self.cfg.rank {
+                peer_ptrs[r] = self.shared.ptr();
+                continue;
+            }
+            let mapping = IpcMapping::open(&self.ctx, &IpcMemHandle(h.handle))?;
+            peer_ptrs[r] = mapping.ptr() + h.offset;
+            peers.push(mapping);
+        }
+        let (c, l) = (&self.cfg, &self.layout);
+        self.common = Some(Common {
+            rank: c.rank as u64,
+            world: w as u64,
+            num_experts: c.num_experts as u64,
+            local_experts: c.local_experts() as u64,
+            topk: c.experts_per_token as u64,
+            max_tokens: c.max_num_tokens as u64,
+            max_rows: c.max_tokens_per_expert as u64,
+            hidden: c.hidden as u64,
+            data_bytes: c.data_bytes() as u64,
+            num_scales: c.num_scales() as u64,
+            rec_bytes: l.rec_bytes as u64,
+            timeout_ns: u64::try_from(c.timeout.as_nanos()).unwrap_or(u64::MAX),
+            state: self.state.ptr(),
+            host: self.host.device_ptr(),
+            off_dflag: l.off_dflag as u64,
+            off_dack: l.off_dack as u64,
+            off_cwflag: l.off_cwflag as u64,
+            off_cflag: l.off_cflag as u64,
+            off_dcnt: l.off_dcnt as u64,
+            off_hdr: l.off_hdr as u64,
+            off_data: l.off_data as u64,
+            off_cw: l.off_cw as u64,
+            off_cdata: l.off_cdata as u64,
+            st_seq: l.st_seq as u64,
+            st_done: l.st_done as u64,
+            st_poison: l.st_poison as u64,
+            st_my_tokens: l.st_my_tokens as u64,
+            st_recv_tokens: l.st_recv_tokens as u64,
+            st_token_mask: l.st_token_mask as u64,
+            st_map: l.st_map as u64,
+            peers: peer_ptrs,
+        });
+        self.peers = peers;
+        Ok(())
+    }
+
+    fn common(&self) -> Result<Common> {
+        self.common.ok_or_else(|| {
+            A2aError::NotConnected("call connect() with every rank's handle first".into())
+        })
+    }
+
+    /// Enqueues dispatch's send half on `stream`.
+    ///
+    /// # Safety
+    /// Every address must be device memory of this context valid for the described shape until
+    /// the kernel completed; `stream` must be a live stream of this context. Every rank must make
+    /// the matching call.
+    pub unsafe fn dispatch_send(&self, stream: u64, a: &DispatchSend) -> Result<()> {
+        let c = self.common()?;
+        let cfg = &self.cfg;
+        let data = cfg.data_bytes() as u64;
+        if a.num_tokens > cfg.max_num_tokens {
+            return Err(invalid!(
+                "{} tokens exceed max_num_tokens {}",
+                a.num_tokens,
+                cfg.max_num_tokens
+            ));
+        }
+        if a.num_tokens > 0 {
+            check_ptr("x", a.x, 16)?;
+            if a.x_stride % 16 != 0 || a.x_stride < data {
+                return Err(invalid!(
+                    "x row stride {} must be a multiple of 16 and >= {data}",
+                    a.x_stride
+                ));
+            }
+            check_ptr("indices", a.indices, if a.indices_are_i64 { 8 } else { 4 })?;
+            if a.indices_stride < cfg.experts_per_token as u64 {
+                return Err(invalid!("indices row stride {} < top-k", a.indices_stride));
+            }
+            match cfg.dispatch_dtype {
+                DispatchDtype::Fp8E4m3 => {
+                    check_ptr("scales", a.scales, 4)?;
+                    let need = 4 * cfg.num_scales() as u64;
+                    if a.scales_stride % 4 != 0 || a.scales_stride < need {
+                        return Err(invalid!(
+                            "scales row stride {} must be a multiple of 4 and >= {need}",
+                            a.scales_stride
+                        ));
+                    }
+                }
+                DispatchDtype::Bf16 if a.scales != 0 => {
+                    return Err(invalid!("scales are only for fp8 dispatch"));
+                }
+                DispatchDtype::Bf16 => {}
+            }
+        }
+        if a.num_tokens_ptr != 0 {
+            check_ptr("num_tokens", a.num_tokens_ptr, 4)?;
+        }
+        let p = DispatchSendParams {
+            c,
+            x: a.x,
+            x_stride: a.x_stride,
+            scales: a.scales,
+            scales_stride: a.scales_stride,
+            idx: a.indices,
+            idx_stride: a.indices_stride,
+            idx_is_64: a.indices_are_i64 as u64,
+            num_tokens: a.num_tokens as u64,
+            num_tokens_ptr: a.num_tokens_ptr,
+            publish_host_counts: a.publish_host_counts as u64,
+        };
+        // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.dispatch_send,
+                self.dispatch_grid,
+                THREADS,
+                self.send_shared_bytes,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues dispatch's receive half on `stream`.
+    ///
+    /// # Safety
+    /// As for [`AllToAll::dispatch_send`]; the outputs must hold the shapes in [`DispatchRecv`].
+    pub unsafe fn dispatch_recv(&self, stream: u64, a: &DispatchRecv) -> Result<()> {
+        let c = self.common()?;
+        check_ptr("out_x", a.out_x, 16)?;
+        check_ptr("out_counts", a.out_counts, 4)?;
+        match self.cfg.dispatch_dtype {
+            DispatchDtype::Fp8E4m3 => check_ptr("out_scales", a.out_scales, 4)?,
+            DispatchDtype::Bf16 if a.out_scales != 0 => {
+                return Err(invalid!("out_scales are only for fp8 dispatch"))
+            }
+            DispatchDtype::Bf16 => {}
+        }
+        let p = DispatchRecvParams {
+            c,
+            out_x: a.out_x,
+            out_scales: a.out_scales,
+            out_counts: a.out_counts,
+        };
+        // SAFETY: as above.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.dispatch_recv,
+                self.dispatch_grid,
+                THREADS,
+                0,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues combine's send half on `stream`.
+    ///
+    /// # Safety
+    /// As for [`AllToAll::dispatch_send`]; `expert_out` must hold every row dispatch produced
+    /// and `weights` the rows of this rank's last dispatch.
+    pub unsafe fn combine_send(&self, stream: u64, a: &CombineSend) -> Result<()> {
+        let c = self.common()?;
+        let row = 2 * self.cfg.hidden as u64;
+        check_ptr("expert_out", a.expert_out, 16)?;
+        if a.expert_out_stride % 16 != 0 || a.expert_out_stride < row {
+            return Err(invalid!(
+                "expert_out row stride {} must be a multiple of 16 and >= {row}",
+                a.expert_out_stride
+            ));
+        }
+        check_ptr("weights", a.weights, 4)?;
+        if a.weights_stride < self.cfg.experts_per_token as u64 {
+            return Err(invalid!("weights row stride {} < top-k", a.weights_stride));
+        }
+        let p = CombineSendParams {
+            c,
+            expert_out: a.expert_out,
+            expert_out_stride: a.expert_out_stride,
+            weights: a.weights,
+            weights_stride: a.weights_stride,
+        };
+        // SAFETY: as above.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.combine_send,
+                self.combine_grid,
+                THREADS,
+                0,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues combine's receive half on `stream`.
+    ///
+    /// # Safety
+    /// As for [`AllToAll::dispatch_send`]; `out` must hold `num_rows` rows.
+    pub unsafe fn combine_recv(&self, stream: u64, a: &CombineRecv) -> Result<()> {
+        let c = self.common()?;
+        let row = 2 * self.cfg.hidden as u64;
+        if a.num_rows > self.cfg.max_num_tokens {
+            return Err(invalid!(
+                "{} rows exceed max_num_tokens {}",
+                a.num_rows,
+                self.cfg.max_num_tokens
+            ));
+        }
+        if a.num_rows > 0 {
+            check_ptr("out", a.out, 16)?;
+            if a.out_stride % 16 != 0 || a.out_stride < row {
+                return Err(invalid!(
+                    "out row stride {} must be a multiple of 16 and >= {row}",
+                    a.out_stride
+                ));
+            }
+        }
+        let p = CombineRecvParams {
+            c,
+            out: a.out,
+            out_stride: a.out_stride,
+            num_rows: a.num_rows as u64,
+        };
+        // SAFETY: as above.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.combine_recv,
+                self.combine_grid,
+                THREADS,
+                0,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Errors reported by kernels so far (bits of [`device_error`]); read without synchronizing,
+    /// so a launch still running may add more.
+    pub fn errors(&self) -> u32 {
+        (0..NUM_ERROR_WORDS)
+            .filter(|&i| self.host.atomic_u32(i).load(Ordering::Acquire) != 0)
+            .fold(0, |acc, i| acc | (1 << i))
+    }
+
+    /// Clears the reported errors except [`device_error::TIMEOUT`] (a timed-out object stays
+    /// unusable: its peers' flags are out of step).
+    pub fn clear_errors(&self) {
+        for i in 1..NUM_ERROR_WORDS {
+            self.host.atomic_u32(i).store(0, Ordering::Release);
+        }
+    }
+
+    /// The per-expert row counts of the last dispatch that published them (and its sequence
+    /// number): the hook a CPU proxy for remote ranks starts from.
+    pub fn host_counts(&self) -> (u64, Vec<u32>) {
+        let seq = self
+            .host
+            .atomic_u64(HOST_SEQ_OFFSET / 8)
+            .load(Ordering::Acquire);
+        let counts = (0..self.cfg.num_experts)
+            .map(|e| {
+                self.host
+                    .atomic_u32(HOST_COUNTS_OFFSET / 4 + e)
+                    .load(Ordering::Acquire)
+            })
+            .collect();
+        (seq, counts)
+    }
+}
+
+fn check_ptr(what: &str, ptr: u64, align: u64) -> Result<()> {
+    if ptr == 0 || ptr % align != 0 {
+        return Err(invalid!(
+            "{what} address {ptr:#x} must be non-null and {align}-byte aligned"
+        ));
+    }
+    Ok(())
+}
+
+struct Handle {
+    rank: usize,
+    world: usize,
+    shared_bytes: usize,
+    offset: u64,
+    handle: [u8; 64],
+}
+
+fn decode_handle(bytes: &[u8]) -> Result<Handle> {
+    if bytes.len() != HANDLE_LEN || &bytes[..4] != HANDLE_MAGIC {
+        return Err(invalid!("not an all-to-all handle ({} bytes)", bytes.len()));
+    }
+    let word = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&bytes[4 + 8 * i..12 + 8 * i]);
+        u64::from_le_bytes(b)
+    };
+    let mut handle = [0u8; 64];
+    handle.copy_from_slice(&bytes[4 + 40..]);
+    Ok(Handle {
+        rank: word(0) as usize,
+        world: word(1) as usize,
+        shared_bytes: word(2) as usize,
+        offset: word(3),
+        handle,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garbage_handles_are_rejected() {
+        assert!(decode_handle(b"nope").is_err());
+        let mut bytes = vec![0u8; HANDLE_LEN];
+        assert!(decode_handle(&bytes).is_err());
+        bytes[..4].copy_from_slice(HANDLE_MAGIC);
+        bytes[4] = 3;
+        let h = decode_handle(&bytes).unwrap();
+        assert_eq!(h.rank, 3);
+        assert_eq!(h.world, 0);
+    }
+
+    #[test]
+    fn pointer_checks() {
+        assert!(check_ptr("x", 0, 16).is_err());
+        assert!(check_ptr("x", 0x1008, 16).is_err());
+        check_ptr("x", 0x1000, 16).unwrap();
+    }
+}

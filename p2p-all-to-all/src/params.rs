@@ -1,0 +1,90 @@
+//! `#[repr(C)]` mirrors of the kernels' parameter blocks (`kernels/a2a_common.cuh`): every field
+//! 64-bit, so the C and Rust layouts agree without padding rules.
+use crate::config::MAX_PEERS;
+
+/// Per-object constants shared by every kernel.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Common {
+    pub rank: u64,
+    pub world: u64,
+    pub num_experts: u64,
+    pub local_experts: u64,
+    pub topk: u64,
+    pub max_tokens: u64,
+    pub max_rows: u64,
+    pub hidden: u64,
+    pub data_bytes: u64,
+    pub num_scales: u64,
+    pub rec_bytes: u64,
+    pub timeout_ns: u64,
+    pub state: u64,
+    pub host: u64,
+    pub off_dflag: u64,
+    pub off_dack: u64,
+    pub off_cwflag: u64,
+    pub off_cflag: u64,
+    pub off_dcnt: u64,
+    pub off_hdr: u64,
+    pub off_data: u64,
+    pub off_cw: u64,
+    pub off_cdata: u64,
+    pub st_seq: u64,
+    pub st_done: u64,
+    pub st_poison: u64,
+    pub st_my_tokens: u64,
+    pub st_recv_tokens: u64,
+    pub st_token_mask: u64,
+    pub st_map: u64,
+    pub peers: [u64; MAX_PEERS],
+}
+
+const _: () = assert!(std::mem::size_of::<Common>() == (30 + MAX_PEERS) * 8);
+
+/// `A2ADispatchSendArgs`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchSendParams {
+    pub c: Common,
+    pub x: u64,
+    pub x_stride: u64,
+    pub scales: u64,
+    pub scales_stride: u64,
+    pub idx: u64,
+    pub idx_stride: u64,
+    pub idx_is_64: u64,
+    pub num_tokens: u64,
+    pub num_tokens_ptr: u64,
+    pub publish_host_counts: u64,
+}
+
+/// `A2ADispatchRecvArgs`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchRecvParams {
+    pub c: Common,
+    pub out_x: u64,
+    pub out_scales: u64,
+    pub out_counts: u64,
+}
+
+/// `A2ACombineSendArgs`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CombineSendParams {
+    pub c: Common,
+    pub expert_out: u64,
+    pub expert_out_stride: u64,
+    pub weights: u64,
+    pub weights_stride: u64,
+}
+
+/// `A2ACombineRecvArgs`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CombineRecvParams {
+    pub c: Common,
+    pub out: u64,
+    pub out_stride: u64,
+    pub num_rows: u64,
+}

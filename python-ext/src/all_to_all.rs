@@ -1,0 +1,225 @@
+//! The `AllToAll` Python class (MoE dispatch/combine over NVLink): converts plain ints and bytes
+//! and forwards to `p2p_all_to_all::AllToAll`. Tensors, dtypes and shapes are checked in
+//! `fabric_lib.all_to_all`, which wraps this class.
+use std::time::Duration;
+
+use p2p_all_to_all::{
+    A2aError, AllToAll, CombineRecv, CombineSend, Config, CudaError, DispatchDtype, DispatchRecv, DispatchSend,
+};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+fn class_name(e: &A2aError) -> &'static str {
+    match e {
+        A2aError::InvalidArgument(_) => "InvalidArgumentError",
+        A2aError::KernelsUnavailable => "CudaUnavailableError",
+        A2aError::Cuda(CudaError::DriverUnavailable(_) | CudaError::KernelsUnavailable) => "CudaUnavailableError",
+        A2aError::Cuda(CudaError::InvalidArgument(_)) => "InvalidArgumentError",
+        A2aError::Cuda(_) => "FabricError",
+        A2aError::Call { .. } | A2aError::NotConnected(_) => "FabricError",
+    }
+}
+
+fn to_pyerr(py: Python<'_>, e: A2aError) -> PyErr {
+    let message = e.to_string();
+    let built = py
+        .import("fabric_lib.errors")
+        .and_then(|m| m.getattr(class_name(&e)))
+        .and_then(|cls| cls.call1((message.clone(),)));
+    match built {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+trait IntoPy<T> {
+    fn py(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for Result<T, A2aError> {
+    fn py(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_pyerr(py, e))
+    }
+}
+
+/// Native all-to-all; use `fabric_lib.all_to_all.AllToAll`, which wraps it.
+#[pyclass(name = "AllToAll", module = "fabric_lib._rust")]
+pub struct PyAllToAll {
+    inner: AllToAll,
+}
+
+#[pymethods]
+impl PyAllToAll {
+    #[new]
+    #[pyo3(signature = (device, rank, world_size, max_num_tokens, hidden, num_experts, experts_per_token,
+                        max_tokens_per_expert, dispatch_dtype, timeout))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        device: usize,
+        rank: usize,
+        world_size: usize,
+        max_num_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        experts_per_token: usize,
+        max_tokens_per_expert: usize,
+        dispatch_dtype: &str,
+        timeout: f64,
+    ) -> PyResult<Self> {
+        let dispatch_dtype = match dispatch_dtype {
+            "bf16" => DispatchDtype::Bf16,
+            "fp8_e4m3" => DispatchDtype::Fp8E4m3,
+            other => {
+                return Err(to_pyerr(
+                    py,
+                    A2aError::InvalidArgument(format!("dispatch_dtype must be 'bf16' or 'fp8_e4m3', not {other:?}")),
+                ))
+            }
+        };
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(to_pyerr(
+                py,
+                A2aError::InvalidArgument("timeout must be a positive number of seconds".into()),
+            ));
+        }
+        let cfg = Config {
+            rank,
+            world_size,
+            max_num_tokens,
+            hidden,
+            num_experts,
+            experts_per_token,
+            max_tokens_per_expert,
+            dispatch_dtype,
+            timeout: Duration::from_secs_f64(timeout),
+        };
+        let inner = py.detach(|| AllToAll::new(device, cfg)).py(py)?;
+        Ok(PyAllToAll { inner })
+    }
+
+    /// Opaque bytes a peer passes to `connect`.
+    fn export_handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.inner.export_handle().py(py)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Maps every rank's buffers (`handles[r]` from rank r's `export_handle`).
+    fn connect(&mut self, py: Python<'_>, handles: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+        let handles: Vec<Vec<u8>> = handles.iter().map(|h| h.as_bytes().to_vec()).collect();
+        let inner = &mut self.inner;
+        py.detach(|| inner.connect(&handles)).py(py)
+    }
+
+    /// Blocks per launch: (dispatch kernels, combine kernels).
+    #[getter]
+    fn grid(&self) -> (u32, u32) {
+        self.inner.grid()
+    }
+
+    #[getter]
+    fn shared_bytes(&self) -> usize {
+        self.inner.layout().shared_bytes
+    }
+
+    #[pyo3(signature = (stream, x, x_stride, scales, scales_stride, indices, indices_stride, indices_are_i64,
+                        num_tokens, num_tokens_ptr, publish_host_counts))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_send(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        x: u64,
+        x_stride: u64,
+        scales: u64,
+        scales_stride: u64,
+        indices: u64,
+        indices_stride: u64,
+        indices_are_i64: bool,
+        num_tokens: usize,
+        num_tokens_ptr: u64,
+        publish_host_counts: bool,
+    ) -> PyResult<()> {
+        let a = DispatchSend {
+            x,
+            x_stride,
+            scales,
+            scales_stride,
+            indices,
+            indices_stride,
+            indices_are_i64,
+            num_tokens,
+            num_tokens_ptr,
+            publish_host_counts,
+        };
+        // SAFETY: the Python wrapper passes data pointers of live CUDA tensors of this device with
+        // checked shapes, and keeps them alive on the stream (torch's stream semantics).
+        unsafe { self.inner.dispatch_send(stream, &a) }.py(py)
+    }
+
+    fn dispatch_recv(&self, py: Python<'_>, stream: u64, out_x: u64, out_scales: u64, out_counts: u64) -> PyResult<()> {
+        let a = DispatchRecv {
+            out_x,
+            out_scales,
+            out_counts,
+        };
+        // SAFETY: as for dispatch_send.
+        unsafe { self.inner.dispatch_recv(stream, &a) }.py(py)
+    }
+
+    fn combine_send(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        expert_out: u64,
+        expert_out_stride: u64,
+        weights: u64,
+        weights_stride: u64,
+    ) -> PyResult<()> {
+        let a = CombineSend {
+            expert_out,
+            expert_out_stride,
+            weights,
+            weights_stride,
+        };
+        // SAFETY: as for dispatch_send.
+        unsafe { self.inner.combine_send(stream, &a) }.py(py)
+    }
+
+    fn combine_recv(&self, py: Python<'_>, stream: u64, out: u64, out_stride: u64, num_rows: usize) -> PyResult<()> {
+        let a = CombineRecv {
+            out,
+            out_stride,
+            num_rows,
+        };
+        // SAFETY: as for dispatch_send.
+        unsafe { self.inner.combine_recv(stream, &a) }.py(py)
+    }
+
+    /// Bits of errors the kernels reported (see fabric_lib.all_to_all).
+    fn errors(&self) -> u32 {
+        self.inner.errors()
+    }
+
+    fn clear_errors(&self) {
+        self.inner.clear_errors()
+    }
+
+    /// (sequence number, per-expert row counts) of the last dispatch that published them.
+    fn host_counts<'py>(&self, py: Python<'py>) -> PyResult<(u64, Bound<'py, PyList>)> {
+        let (seq, counts) = self.inner.host_counts();
+        Ok((seq, PyList::new(py, counts)?))
+    }
+
+    /// The machine-code architectures of the embedded all-to-all kernels ("" if none).
+    #[staticmethod]
+    fn kernel_archs() -> &'static str {
+        p2p_all_to_all::kernel_archs()
+    }
+}
+
+/// Adds the all-to-all class to the extension module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyAllToAll>()
+}
