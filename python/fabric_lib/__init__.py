@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._rust import ENCODING_VERSION, list_providers
 from .engine import EngineAddress, MemoryRegion, MrDescriptor, TransferEngine
 from .errors import (
+    CudaError,
     CudaUnavailableError,
     EngineStoppedError,
     FabricError,
@@ -21,6 +22,7 @@ from .imm_counter import ImmCounter
 
 __all__ = [
     "ENCODING_VERSION",
+    "CudaError",
     "CudaUnavailableError",
     "EngineAddress",
     "EngineStoppedError",
