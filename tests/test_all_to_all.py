@@ -36,6 +36,7 @@ SCENARIOS = [
     "fewer_tokens",
     "device_num_tokens",
     "split_halves",
+    "unfused",
     "consecutive",
     "dispatch_only_loop",
     "cuda_graph",
@@ -256,6 +257,15 @@ def sc_split_halves(gen: Any) -> None:
     a2a.destroy()
 
 
+def sc_unfused(gen: Any) -> None:
+    """Both halves as two kernels each (fused=False) give the same results."""
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        a2a = new_a2a(dtype, fused=False)
+        round_trip(a2a, "masked", MAX_TOKENS, gen)
+        round_trip(a2a, "skewed", 50, gen)
+        a2a.destroy()
+
+
 def sc_consecutive(gen: Any) -> None:
     a2a = new_a2a(torch.float8_e4m3fn)
     dev = a2a.device
@@ -467,6 +477,7 @@ RUNNERS = {
     "fewer_tokens": sc_fewer_tokens,
     "device_num_tokens": sc_device_num_tokens,
     "split_halves": sc_split_halves,
+    "unfused": sc_unfused,
     "consecutive": sc_consecutive,
     "dispatch_only_loop": sc_dispatch_only_loop,
     "cuda_graph": sc_cuda_graph,

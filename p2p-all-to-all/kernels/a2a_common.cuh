@@ -73,6 +73,15 @@ struct A2ACombineRecvArgs {
     uint64_t num_rows;         // rows of out (rows past the live count are zeroed)
 };
 
+struct A2ADispatchArgs {
+    A2ADispatchSendArgs send;
+    A2ADispatchRecvArgs recv;
+};
+struct A2ACombineArgs {
+    A2ACombineSendArgs send;
+    A2ACombineRecvArgs recv;
+};
+
 namespace a2a {
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {

@@ -6,7 +6,7 @@
 
 using namespace a2a;
 
-extern "C" __global__ void __launch_bounds__(512) a2a_combine_send(const A2ACombineSendArgs a) {
+__device__ __forceinline__ void combine_send_body(const A2ACombineSendArgs& a) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, me = (uint32_t)c.rank;
     const uint32_t lane = lane_id();
@@ -42,20 +42,20 @@ extern "C" __global__ void __launch_bounds__(512) a2a_combine_send(const A2AComb
 
     const uint32_t nvec = (uint32_t)(c.hidden * 2 / 16);
     const uint32_t nchunks = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
-    uint32_t items = 0;
-    for (uint32_t s = 0; s < W; ++s) items += s_T[s] * nchunks;
+    // Items (token, chunk, source) with the source innermost: at any moment the warps write to
+    // every peer at once (source-major order would drain the NVLink of one peer at a time).
+    uint32_t max_T = 0;
+    for (uint32_t s = 0; s < W; ++s) max_T = max(max_T, s_T[s]);
+    const uint32_t items = max_T * nchunks * W;
     const uint32_t gwarp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const uint32_t gwarps = gridDim.x * (blockDim.x / 32);
     const int* map = reinterpret_cast<const int*>(state_at(c, c.st_map));
     const uint8_t* mine = shared_of(c, me);
     uint32_t seen = 0;  // sources whose weights this warp has waited for
     for (uint32_t it = gwarp; it < items; it += gwarps) {
-        uint32_t s = 0, rest = it;
-        while (rest >= s_T[s] * nchunks) {
-            rest -= s_T[s] * nchunks;
-            ++s;
-        }
+        const uint32_t s = it % W, rest = it / W;
         const uint32_t t = rest / nchunks, ch = rest % nchunks;
+        if (t >= s_T[s]) continue;
         const uint64_t slot = (uint64_t)s * c.max_tokens + t;
         const int row = lane < K ? map[slot * K + lane] : -1;
         const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(512) a2a_combine_send(const A2AComb
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) a2a_combine_recv(const A2ACombineRecvArgs a) {
+__device__ __forceinline__ void combine_recv_body(const A2ACombineRecvArgs& a) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world;
     const uint32_t lane = lane_id();
@@ -201,4 +201,18 @@ extern "C" __global__ void __launch_bounds__(512) a2a_combine_recv(const A2AComb
     }
 
     last_block_done(c, A2A_COMBINE_RECV, n);
+}
+
+extern "C" __global__ void __launch_bounds__(512) a2a_combine_send(const A2ACombineSendArgs a) {
+    combine_send_body(a);
+}
+
+extern "C" __global__ void __launch_bounds__(512) a2a_combine_recv(const A2ACombineRecvArgs a) {
+    combine_recv_body(a);
+}
+
+// Both halves in one launch (see a2a_dispatch).
+extern "C" __global__ void __launch_bounds__(512) a2a_combine(const A2ACombineArgs a) {
+    combine_send_body(a.send);
+    combine_recv_body(a.recv);
 }

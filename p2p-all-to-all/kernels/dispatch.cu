@@ -7,7 +7,7 @@ using namespace a2a;
 // Dynamic shared memory: hist[E] i32 (all tokens), base[E] i32 (tokens before this block's
 // chunk, then running), pos[chunk * K] i32 (row of each (token, slot) among the rows this rank
 // sends to the slot's expert, in (token, slot) order).
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) {
+__device__ __forceinline__ void dispatch_send_body(const A2ADispatchSendArgs& a) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, E = (uint32_t)c.num_experts, K = (uint32_t)c.topk;
     const uint32_t L = (uint32_t)c.local_experts, me = (uint32_t)c.rank;
@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2A
 // Records the (source, token, slot) -> row map for combine, then acknowledges each source.
 // Static shared memory: offsets for up to 1024 (local expert, source) pairs.
 #define A2A_MAX_OFFSETS 4096
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2ADispatchRecvArgs a) {
+__device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, L = (uint32_t)c.local_experts;
     const uint32_t me = (uint32_t)c.rank, max_rows = (uint32_t)c.max_rows;
@@ -273,4 +273,20 @@ extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2A
             st_release_sys(ack, (uint64_t)n << 32);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) {
+    dispatch_send_body(a);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2ADispatchRecvArgs a) {
+    dispatch_recv_body(a);
+}
+
+// Both halves in one launch (no launch gap; the receive prologue overlaps the peers' sends).
+// Every block finishes its send part before waiting, and the flags a block waits for are raised
+// by the last block of a send part, so blocks that are not resident yet only delay, never block.
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch(const A2ADispatchArgs a) {
+    dispatch_send_body(a.send);
+    dispatch_recv_body(a.recv);
 }

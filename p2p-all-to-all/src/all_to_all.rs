@@ -12,7 +12,8 @@ use crate::{
     kernels::Kernels,
     layout::{Layout, HOST_COUNTS_OFFSET, HOST_SEQ_OFFSET, NUM_ERROR_WORDS},
     params::{
-        CombineRecvParams, CombineSendParams, Common, DispatchRecvParams, DispatchSendParams,
+        CombineParams, CombineRecvParams, CombineSendParams, Common, DispatchParams,
+        DispatchRecvParams, DispatchSendParams,
     },
 };
 
@@ -278,13 +279,7 @@ impl AllToAll {
         })
     }
 
-    /// Enqueues dispatch's send half on `stream`.
-    ///
-    /// # Safety
-    /// Every address must be device memory of this context valid for the described shape until
-    /// the kernel completed; `stream` must be a live stream of this context. Every rank must make
-    /// the matching call.
-    pub unsafe fn dispatch_send(&self, stream: u64, a: &DispatchSend) -> Result<()> {
+    fn dispatch_send_params(&self, a: &DispatchSend) -> Result<DispatchSendParams> {
         let c = self.common()?;
         let cfg = &self.cfg;
         let data = cfg.data_bytes() as u64;
@@ -340,24 +335,10 @@ impl AllToAll {
             num_tokens_ptr: a.num_tokens_ptr,
             publish_host_counts: a.publish_host_counts as u64,
         };
-        // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.dispatch_send,
-                self.dispatch_grid,
-                THREADS,
-                self.send_shared_bytes,
-                stream,
-                &p,
-            )
-        }
+        Ok(p)
     }
 
-    /// Enqueues dispatch's receive half on `stream`.
-    ///
-    /// # Safety
-    /// As for [`AllToAll::dispatch_send`]; the outputs must hold the shapes in [`DispatchRecv`].
-    pub unsafe fn dispatch_recv(&self, stream: u64, a: &DispatchRecv) -> Result<()> {
+    fn dispatch_recv_params(&self, a: &DispatchRecv) -> Result<DispatchRecvParams> {
         let c = self.common()?;
         check_ptr("out_x", a.out_x, 16)?;
         check_ptr("out_counts", a.out_counts, 4)?;
@@ -374,25 +355,10 @@ impl AllToAll {
             out_scales: a.out_scales,
             out_counts: a.out_counts,
         };
-        // SAFETY: as above.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.dispatch_recv,
-                self.dispatch_grid,
-                THREADS,
-                0,
-                stream,
-                &p,
-            )
-        }
+        Ok(p)
     }
 
-    /// Enqueues combine's send half on `stream`.
-    ///
-    /// # Safety
-    /// As for [`AllToAll::dispatch_send`]; `expert_out` must hold every row dispatch produced
-    /// and `weights` the rows of this rank's last dispatch.
-    pub unsafe fn combine_send(&self, stream: u64, a: &CombineSend) -> Result<()> {
+    fn combine_send_params(&self, a: &CombineSend) -> Result<CombineSendParams> {
         let c = self.common()?;
         let row = 2 * self.cfg.hidden as u64;
         check_ptr("expert_out", a.expert_out, 16)?;
@@ -413,24 +379,10 @@ impl AllToAll {
             weights: a.weights,
             weights_stride: a.weights_stride,
         };
-        // SAFETY: as above.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.combine_send,
-                self.combine_grid,
-                THREADS,
-                0,
-                stream,
-                &p,
-            )
-        }
+        Ok(p)
     }
 
-    /// Enqueues combine's receive half on `stream`.
-    ///
-    /// # Safety
-    /// As for [`AllToAll::dispatch_send`]; `out` must hold `num_rows` rows.
-    pub unsafe fn combine_recv(&self, stream: u64, a: &CombineRecv) -> Result<()> {
+    fn combine_recv_params(&self, a: &CombineRecv) -> Result<CombineRecvParams> {
         let c = self.common()?;
         let row = 2 * self.cfg.hidden as u64;
         if a.num_rows > self.cfg.max_num_tokens {
@@ -455,10 +407,134 @@ impl AllToAll {
             out_stride: a.out_stride,
             num_rows: a.num_rows as u64,
         };
-        // SAFETY: as above.
+        Ok(p)
+    }
+
+    /// Enqueues dispatch's send half on `stream`.
+    ///
+    /// # Safety
+    /// Every address must be device memory of this context valid for the described shape until
+    /// the kernel completed; `stream` must be a live stream of this context. Every rank must make
+    /// the matching call.
+    pub unsafe fn dispatch_send(&self, stream: u64, a: &DispatchSend) -> Result<()> {
+        let p = self.dispatch_send_params(a)?;
+        // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.dispatch_send,
+                self.dispatch_grid,
+                THREADS,
+                self.send_shared_bytes,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues dispatch's receive half on `stream`.
+    ///
+    /// # Safety
+    /// As for [`AllToAll::dispatch_send`]; the outputs must hold the shapes in [`DispatchRecv`].
+    pub unsafe fn dispatch_recv(&self, stream: u64, a: &DispatchRecv) -> Result<()> {
+        let p = self.dispatch_recv_params(a)?;
+        // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.dispatch_recv,
+                self.dispatch_grid,
+                THREADS,
+                0,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues combine's send half on `stream`.
+    ///
+    /// # Safety
+    /// As for [`AllToAll::dispatch_send`]; `expert_out` must hold every row dispatch produced
+    /// and `weights` the rows of this rank's last dispatch.
+    pub unsafe fn combine_send(&self, stream: u64, a: &CombineSend) -> Result<()> {
+        let p = self.combine_send_params(a)?;
+        // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.combine_send,
+                self.combine_grid,
+                THREADS,
+                0,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues combine's receive half on `stream`.
+    ///
+    /// # Safety
+    /// As for [`AllToAll::dispatch_send`]; `out` must hold `num_rows` rows.
+    pub unsafe fn combine_recv(&self, stream: u64, a: &CombineRecv) -> Result<()> {
+        let p = self.combine_recv_params(a)?;
+        // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
         unsafe {
             self.kernels.launch(
                 self.kernels.combine_recv,
+                self.combine_grid,
+                THREADS,
+                0,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues both halves of dispatch as one kernel (what [`AllToAll::dispatch_send`] then
+    /// [`AllToAll::dispatch_recv`] do, without the launch gap).
+    ///
+    /// # Safety
+    /// As for both halves.
+    pub unsafe fn dispatch(
+        &self,
+        stream: u64,
+        send: &DispatchSend,
+        recv: &DispatchRecv,
+    ) -> Result<()> {
+        let p = DispatchParams {
+            send: self.dispatch_send_params(send)?,
+            recv: self.dispatch_recv_params(recv)?,
+        };
+        // SAFETY: as for the halves.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.dispatch,
+                self.dispatch_grid,
+                THREADS,
+                self.send_shared_bytes,
+                stream,
+                &p,
+            )
+        }
+    }
+
+    /// Enqueues both halves of combine as one kernel.
+    ///
+    /// # Safety
+    /// As for both halves.
+    pub unsafe fn combine(
+        &self,
+        stream: u64,
+        send: &CombineSend,
+        recv: &CombineRecv,
+    ) -> Result<()> {
+        let p = CombineParams {
+            send: self.combine_send_params(send)?,
+            recv: self.combine_recv_params(recv)?,
+        };
+        // SAFETY: as for the halves.
+        unsafe {
+            self.kernels.launch(
+                self.kernels.combine,
                 self.combine_grid,
                 THREADS,
                 0,

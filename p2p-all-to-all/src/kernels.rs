@@ -83,7 +83,7 @@ impl Drop for Current<'_> {
     }
 }
 
-/// The four kernels, loaded into one context; unloaded on drop.
+/// The kernels (each half, and both halves fused), loaded into one context; unloaded on drop.
 #[derive(Debug)]
 pub struct Kernels {
     ctx: Arc<Context>,
@@ -92,6 +92,8 @@ pub struct Kernels {
     pub(crate) dispatch_recv: sys::CUfunction,
     pub(crate) combine_send: sys::CUfunction,
     pub(crate) combine_recv: sys::CUfunction,
+    pub(crate) dispatch: sys::CUfunction,
+    pub(crate) combine: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are immutable driver objects usable from any thread.
@@ -126,6 +128,8 @@ impl Kernels {
             dispatch_recv: std::ptr::null_mut(),
             combine_send: std::ptr::null_mut(),
             combine_recv: std::ptr::null_mut(),
+            dispatch: std::ptr::null_mut(),
+            combine: std::ptr::null_mut(),
         };
         let get = |name: &std::ffi::CStr| -> Result<sys::CUfunction> {
             let mut f = std::ptr::null_mut();
@@ -139,6 +143,8 @@ impl Kernels {
         kernels.dispatch_recv = get(c"a2a_dispatch_recv")?;
         kernels.combine_send = get(c"a2a_combine_send")?;
         kernels.combine_recv = get(c"a2a_combine_recv")?;
+        kernels.dispatch = get(c"a2a_dispatch")?;
+        kernels.combine = get(c"a2a_combine")?;
         Ok(kernels)
     }
 

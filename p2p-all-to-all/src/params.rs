@@ -88,3 +88,19 @@ pub struct CombineRecvParams {
     pub out_stride: u64,
     pub num_rows: u64,
 }
+
+/// `A2ADispatchArgs` (both halves in one launch).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchParams {
+    pub send: DispatchSendParams,
+    pub recv: DispatchRecvParams,
+}
+
+/// `A2ACombineArgs` (both halves in one launch).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CombineParams {
+    pub send: CombineSendParams,
+    pub recv: CombineRecvParams,
+}

@@ -197,6 +197,78 @@ impl PyAllToAll {
         unsafe { self.inner.combine_recv(stream, &a) }.py(py)
     }
 
+    /// Both halves of dispatch in one launch (arguments of dispatch_send, then dispatch_recv).
+    #[pyo3(signature = (stream, x, x_stride, scales, scales_stride, indices, indices_stride, indices_are_i64,
+                        num_tokens, num_tokens_ptr, publish_host_counts, out_x, out_scales, out_counts))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        x: u64,
+        x_stride: u64,
+        scales: u64,
+        scales_stride: u64,
+        indices: u64,
+        indices_stride: u64,
+        indices_are_i64: bool,
+        num_tokens: usize,
+        num_tokens_ptr: u64,
+        publish_host_counts: bool,
+        out_x: u64,
+        out_scales: u64,
+        out_counts: u64,
+    ) -> PyResult<()> {
+        let send = DispatchSend {
+            x,
+            x_stride,
+            scales,
+            scales_stride,
+            indices,
+            indices_stride,
+            indices_are_i64,
+            num_tokens,
+            num_tokens_ptr,
+            publish_host_counts,
+        };
+        let recv = DispatchRecv {
+            out_x,
+            out_scales,
+            out_counts,
+        };
+        // SAFETY: as for dispatch_send.
+        unsafe { self.inner.dispatch(stream, &send, &recv) }.py(py)
+    }
+
+    /// Both halves of combine in one launch (arguments of combine_send, then combine_recv).
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        expert_out: u64,
+        expert_out_stride: u64,
+        weights: u64,
+        weights_stride: u64,
+        out: u64,
+        out_stride: u64,
+        num_rows: usize,
+    ) -> PyResult<()> {
+        let send = CombineSend {
+            expert_out,
+            expert_out_stride,
+            weights,
+            weights_stride,
+        };
+        let recv = CombineRecv {
+            out,
+            out_stride,
+            num_rows,
+        };
+        // SAFETY: as for dispatch_send.
+        unsafe { self.inner.combine(stream, &send, &recv) }.py(py)
+    }
+
     /// Bits of errors the kernels reported (see fabric_lib.all_to_all).
     fn errors(&self) -> u32 {
         self.inner.errors()

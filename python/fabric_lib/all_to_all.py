@@ -91,6 +91,8 @@ class AllToAll:
         validate: check expert indices on the host before every dispatch (synchronizes).
         publish_host_counts: have dispatch write per-expert counts to host memory
             (:meth:`host_counts`; the hook of a future RDMA proxy).
+        fused: run both halves of a call as one kernel when both are asked for (False: two
+            kernels, as with ``do_send`` / ``do_recv``).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class AllToAll:
         timeout: float = 10.0,
         validate: bool = False,
         publish_host_counts: bool = False,
+        fused: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise _fail("AllToAll needs an initialized torch.distributed process group")
@@ -146,6 +149,7 @@ class AllToAll:
         self.num_scales = hidden // SCALE_BLOCK if dispatch_dtype == torch.float8_e4m3fn else 0
         self.validate = validate
         self.publish_host_counts = publish_host_counts
+        self.fused = fused
         self._native = _rust.AllToAll(
             self.device.index,
             self.rank,
@@ -247,9 +251,11 @@ class AllToAll:
         if not (do_send or do_recv):
             raise _fail("dispatch with do_send=False and do_recv=False does nothing")
         self._raise_errors()
-        if do_send:
-            self._dispatch_send(x, indices, scales, num_tokens)
+        send_args = self._dispatch_send_args(x, indices, scales, num_tokens) if do_send else None
         if not do_recv:
+            assert send_args is not None
+            self._native.dispatch_send(self._stream(), *send_args)
+            self._last_rows = send_args[-3]
             return None
         L, M, H = self.local_experts, self.max_tokens_per_expert, self.hidden
         out_x = torch.empty((L, M, H), dtype=self.dispatch_dtype, device=self.device)
@@ -259,21 +265,30 @@ class AllToAll:
             else None
         )
         counts = torch.empty((L,), dtype=torch.int32, device=self.device)
-        self._native.dispatch_recv(
-            self._stream(),
+        recv_args = (
             out_x.data_ptr(),
             out_scales.data_ptr() if out_scales is not None else 0,
             counts.data_ptr(),
         )
+        if send_args is None:
+            self._native.dispatch_recv(self._stream(), *recv_args)
+        elif self.fused:
+            self._native.dispatch(self._stream(), *send_args, *recv_args)
+            self._last_rows = send_args[-3]
+        else:
+            self._native.dispatch_send(self._stream(), *send_args)
+            self._last_rows = send_args[-3]
+            self._native.dispatch_recv(self._stream(), *recv_args)
         return DispatchOutput(out_x, out_scales, counts)
 
-    def _dispatch_send(
+    def _dispatch_send_args(
         self,
         x: torch.Tensor | None,
         indices: torch.Tensor | None,
         scales: torch.Tensor | None,
         num_tokens: torch.Tensor | None,
-    ) -> None:
+    ) -> tuple[Any, ...]:
+        """Checks the send half's inputs; returns the native call's arguments after the stream."""
         if x is None or indices is None:
             raise _fail("dispatch's send half needs x and indices")
         x = self._tensor("x", x, (self.dispatch_dtype,), 2)
@@ -318,8 +333,7 @@ class AllToAll:
                 raise _fail(
                     f"expert indices must be in [-1, {self.num_experts}); found values in [{lo}, {hi}]"
                 )
-        self._native.dispatch_send(
-            self._stream(),
+        return (
             x.data_ptr() if T else 0,
             x.stride(0) * elem if T else 0,
             scales_ptr if T else 0,
@@ -331,7 +345,6 @@ class AllToAll:
             nt_ptr,
             self.publish_host_counts,
         )
-        self._last_rows = T
 
     # ---------------------------------------------------------------------------------- combine
 
@@ -399,11 +412,12 @@ class AllToAll:
                 if T
                 else torch.empty((1, self.experts_per_token), dtype=torch.float32, device=self.device)
             )
-            self._native.combine_send(
-                self._stream(), expert_out.data_ptr(), row * 2, w.data_ptr(), w.stride(0)
-            )
-        if not do_recv:
-            return None
+            send_args = (expert_out.data_ptr(), row * 2, w.data_ptr(), w.stride(0))
+            if not do_recv:
+                self._native.combine_send(self._stream(), *send_args)
+                return None
+        else:
+            send_args = None
         if out is None:
             out = torch.empty((T, self.hidden), dtype=torch.bfloat16, device=self.device)
         else:
@@ -412,9 +426,14 @@ class AllToAll:
                 raise _fail(f"out must have shape ({T}, {self.hidden}), not {tuple(out.shape)}")
             if T and ((out.data_ptr() % 16) or (out.stride(0) * 2) % 16):
                 raise _fail("out rows must start on 16-byte boundaries")
-        self._native.combine_recv(
-            self._stream(), out.data_ptr() if T else 0, out.stride(0) * 2 if T else 0, T
-        )
+        recv_args = (out.data_ptr() if T else 0, out.stride(0) * 2 if T else 0, T)
+        if send_args is None:
+            self._native.combine_recv(self._stream(), *recv_args)
+        elif self.fused:
+            self._native.combine(self._stream(), *send_args, *recv_args)
+        else:
+            self._native.combine_send(self._stream(), *send_args)
+            self._native.combine_recv(self._stream(), *recv_args)
         return out
 
     # ---------------------------------------------------------------------------------- cleanup
