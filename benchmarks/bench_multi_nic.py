@@ -29,7 +29,6 @@ that every NIC carries its share.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -38,24 +37,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-NETNS_PY = REPO / "python" / "fabric_lib" / "testbed" / "netns.py"
 PREFIX = "flbench"
 IMM_BASE = 50_000
 
 
-def _load_testbed():
-    """fabric_lib.testbed.netns from this source tree (pure Python), else the installed one."""
-    if not NETNS_PY.exists():
-        from fabric_lib.testbed import netns
-
-        return netns
-    name = "fabric_lib_testbed_netns"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, NETNS_PY)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 # -- worker (one per test-bed host) ------------------------------------------------------------
@@ -305,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a)
         return 0
-    tb = _load_testbed()
+    from fabric_lib.testbed import netns as tb
     ok, why = tb.available()
     if not ok:
         print(f"bench_multi_nic: the netns test bed is unavailable here: {why}", file=sys.stderr)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import fabric_lib
+import pytest
 
 # Providers that implement RMA with remote CQ data on loopback (libfabric 1.17 software providers).
 LOOPBACK_PROVIDERS = ["tcp", "udp;ofi_rxd", "shm"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pickle
 import threading
 
+import fabric_lib
 import pytest
 import torch
-
-import fabric_lib
 from fabric_lib import MrDescriptor
 
 

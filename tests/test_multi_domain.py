@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import time
 
+import fabric_lib
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import fabric_lib
 
 
 @pytest.fixture(scope="module")

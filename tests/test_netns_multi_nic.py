@@ -25,26 +25,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NETNS_PY = ROOT / "python" / "fabric_lib" / "testbed" / "netns.py"
 WORKER = Path(__file__).resolve().parent / "netns_multi_nic_worker.py"
 
 
-def _load_testbed():
-    """fabric_lib.testbed.netns from this source tree (pure Python), else the installed one."""
-    if not NETNS_PY.exists():
-        from fabric_lib.testbed import netns
-
-        return netns
-    name = "fabric_lib_testbed_netns"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, NETNS_PY)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-tb = _load_testbed()
+from fabric_lib.testbed import netns as tb  # noqa: E402
 
 pytestmark = pytest.mark.netns
 

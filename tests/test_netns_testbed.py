@@ -21,26 +21,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NETNS_PY = ROOT / "python" / "fabric_lib" / "testbed" / "netns.py"
 
 
-def _load_testbed():
-    """fabric_lib.testbed.netns from this source tree (pure Python, so the tests exercise the
-    working tree even when the installed wheel is older), else from the installed package."""
-    if not NETNS_PY.exists():
-        from fabric_lib.testbed import netns
-
-        return netns
-    name = "fabric_lib_testbed_netns"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, NETNS_PY)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-tb = _load_testbed()
+from fabric_lib.testbed import netns as tb  # noqa: E402
 
 PREFIX = "fltest"  # distinct from the CLI's default "fl", so these tests never touch its beds
 PAYLOAD = 4 << 20  # bytes written over each NIC
@@ -127,10 +112,9 @@ def _worker() -> None:
     each; rank 1 checks every byte and the immediate counts."""
     from datetime import timedelta
 
+    import fabric_lib
     import torch
     import torch.distributed as dist
-
-    import fabric_lib
     from fabric_lib.distributed import exchange
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -5,9 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 import fabric_lib
+import pytest
 from fabric_lib import errors
 
 

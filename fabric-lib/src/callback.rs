@@ -45,7 +45,9 @@ pub struct CallbackThread {
 
 /// After a job, the thread polls for the next one this long before it blocks: back-to-back
 /// completions (and UVM-watcher callbacks) then skip the wake-up of a parked thread (~5-10 µs).
-const SPIN_AFTER_JOB: std::time::Duration = std::time::Duration::from_micros(100);
+/// It yields between polls, so on a machine with more runnable threads than cores it hands the
+/// core over instead of burning it.
+const SPIN_AFTER_JOB: std::time::Duration = std::time::Duration::from_micros(0);
 
 fn next(rx: &Receiver<Message>, spin: bool) -> Option<Message> {
     if spin {
@@ -54,7 +56,7 @@ fn next(rx: &Receiver<Message>, spin: bool) -> Option<Message> {
             match rx.try_recv() {
                 Ok(m) => return Some(m),
                 Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
-                Err(crossbeam_channel::TryRecvError::Empty) if std::time::Instant::now() < until => std::hint::spin_loop(),
+                Err(crossbeam_channel::TryRecvError::Empty) if std::time::Instant::now() < until => std::thread::yield_now(),
                 Err(crossbeam_channel::TryRecvError::Empty) => break,
             }
         }

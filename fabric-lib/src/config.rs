@@ -6,7 +6,8 @@ use crate::provider::libfabric::ProviderSpec;
 /// How the worker waits when there is nothing to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PollMode {
-    /// Poll the completion queue without pause: lowest latency, one core per worker.
+    /// Poll the completion queue without sleeping (yielding between empty polls): lowest
+    /// latency, one core per worker.
     Busy,
     /// Busy-poll for `spin` after the last activity, then sleep up to `park` between polls (a new
     /// command wakes the worker at once). Idle engines cost almost no CPU; incoming traffic is

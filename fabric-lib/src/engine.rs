@@ -22,6 +22,13 @@ use crate::error::{FabricError, Result};
 use crate::imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, Target, Transfer};
 
+/// Traffic posted on one domain (see [`TransferEngine::domain_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DomainStats {
+    pub ops: u64,
+    pub bytes: u64,
+}
+
 /// A registered region of this engine, as returned by [`TransferEngine::register_memory`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MrHandle(pub u64);
@@ -50,6 +57,7 @@ pub struct TransferEngine {
     worker: Mutex<Option<JoinHandle<()>>>,
     watchers: Watchers,
     stopped: AtomicBool,
+    stats: Arc<[worker::DomainCounters]>,
 }
 
 impl TransferEngine {
@@ -98,6 +106,7 @@ impl TransferEngine {
             worker: Mutex::new(Some(handle)),
             watchers: Watchers::new(),
             stopped: AtomicBool::new(false),
+            stats: info.stats.clone(),
         })
     }
 
@@ -114,6 +123,14 @@ impl TransferEngine {
     /// The domains (NICs or interfaces) in use, in order, e.g. `["lo"]`.
     pub fn domain_names(&self) -> &[String] {
         &self.domain_names
+    }
+
+    /// Operations and bytes posted on each domain since the engine started, in domain order.
+    pub fn domain_stats(&self) -> Vec<DomainStats> {
+        self.stats
+            .iter()
+            .map(|c| DomainStats { ops: c.ops.load(Ordering::Relaxed), bytes: c.bytes.load(Ordering::Relaxed) })
+            .collect()
     }
 
     /// Number of domains of this engine's device.
@@ -364,7 +381,7 @@ impl TransferEngine {
                 self.config.max_message_size
             )));
         }
-        self.command(Command::Send(SendCommand { peer: peer.domains[0].endpoint.clone(), data, on_done }))
+        self.command(Command::Send(SendCommand { peer: peer.domains[0].endpoint.clone(), data, on_done: crate::completion::Notify::Callback(on_done) }))
     }
 
     /// Installs the callback for received messages (`None` keeps messages until one is set).

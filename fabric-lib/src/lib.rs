@@ -10,6 +10,7 @@
 //! endpoints, threads) are released by [`TransferEngine::stop`] or on drop.
 pub mod address;
 pub mod callback;
+pub mod completion;
 pub mod config;
 pub mod descriptor;
 mod encoding;
@@ -26,10 +27,11 @@ mod transfers;
 mod worker;
 
 pub use address::{DomainAddress, EngineAddress};
+pub use completion::CompletionCounter;
 pub use config::{EngineConfig, PollMode};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
-pub use engine::{MrHandle, TransferEngine};
+pub use engine::{DomainStats, MrHandle, TransferEngine};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback};
 pub use sharding::DomainChoice;
 pub use transfers::{PagedWriteRequest, PeerGroup, ScatterSharding, ScatterTarget, WriteRequest};

@@ -6,7 +6,10 @@
 //! however the engine cut it across domains (see [`crate::sharding`]).
 use std::sync::atomic::Ordering;
 
+use std::sync::Arc;
+
 use crate::address::EngineAddress;
+use crate::completion::{CompletionCounter, Notify};
 use crate::descriptor::{check_range, MemoryKind, MrDescriptor};
 use crate::engine::{MrHandle, TransferEngine};
 use crate::provider::local::{LocalCopy, LocalDst};
@@ -105,7 +108,7 @@ impl TransferEngine {
         }))
     }
 
-    fn submit_local(&self, src: MrHandle, dst: &MrDescriptor, local: LocalDst, copy: LocalCopy, imm: Option<u32>, on_done: OnDone) -> Result<()> {
+    fn submit_local(&self, src: MrHandle, dst: &MrDescriptor, local: LocalDst, copy: LocalCopy, imm: Option<u32>, on_done: Notify) -> Result<()> {
         let imm = match imm {
             Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
             None => None,
@@ -120,6 +123,16 @@ impl TransferEngine {
     /// Posts one write; `on_done` runs on the callback thread once every part completed (or
     /// one failed). Bad input is rejected here and nothing is posted.
     pub fn submit_write(&self, req: &WriteRequest<'_>, on_done: OnDone) -> Result<()> {
+        self.submit_write_notify(req, Notify::Callback(on_done))
+    }
+
+    /// [`TransferEngine::submit_write`] that reports to `counter` instead of a callback: the
+    /// worker bumps it directly (no callback-thread hop), the fast path for many small writes.
+    pub fn submit_write_counted(&self, req: &WriteRequest<'_>, counter: &Arc<CompletionCounter>) -> Result<()> {
+        self.submit_write_notify(req, Notify::Counter(counter.clone()))
+    }
+
+    fn submit_write_notify(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<()> {
         check_range("source", self.region_len(req.src)?, req.src_offset, req.len)?;
         let route = self.route(req.src, req.dst)?;
         req.dst.check_range(req.dst_offset, req.len)?;
@@ -202,7 +215,7 @@ impl TransferEngine {
                     dst_stride: req.dst_stride,
                     dst_offset: req.dst_offset,
                 };
-                return self.submit_local(req.src, req.dst, local, copy, req.imm, on_done);
+                return self.submit_local(req.src, req.dst, local, copy, req.imm, Notify::Callback(on_done));
             }
         };
         let n = self.num_domains();
@@ -222,7 +235,7 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &[req.imm]);
-        self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done })
+        self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done: Notify::Callback(on_done) })
     }
 
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
@@ -248,7 +261,7 @@ impl TransferEngine {
             .map(|p| Shard { peer: p as u32, domain: ((start + p) % n) as u16, src_offset: 0, len: 0, dst_offset: 0, imm: None })
             .collect();
         let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
-        self.submit_transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done })
+        self.submit_transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done: Notify::Callback(on_done) })
     }
 
     /// Registers a set of peer engines for scatters and barriers.
@@ -320,7 +333,7 @@ impl TransferEngine {
             }));
         }
         let deferred = plan_imms(&mut shards, &vec![imm; targets.len()]);
-        self.submit_transfer(Transfer { region: src.0, targets: resolved, shards, deferred, on_done })
+        self.submit_transfer(Transfer { region: src.0, targets: resolved, shards, deferred, on_done: Notify::Callback(on_done) })
     }
 
     /// Sends `imm` to every member of `group` (each member counts it once).

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 
 use crate::callback::CallbackQueue;
+use crate::completion::Notify;
 use crate::config::{EngineConfig, PollMode};
 use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
@@ -43,7 +44,7 @@ pub(crate) struct Transfer {
     pub targets: Vec<Target>,
     pub shards: Vec<Shard>,
     pub deferred: Vec<DeferredImm>,
-    pub on_done: OnDone,
+    pub on_done: Notify,
 }
 
 /// A validated same-host write where either side is GPU memory (see `provider::local`).
@@ -54,14 +55,14 @@ pub(crate) struct LocalTransfer {
     /// The immediate and the destination engine's immediate slots: delivered over the network
     /// once the copy's event completed (the data is visible by then).
     pub imm: Option<(u32, Target)>,
-    pub on_done: OnDone,
+    pub on_done: Notify,
 }
 
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
     pub peer: Vec<u8>,
     pub data: Vec<u8>,
-    pub on_done: OnDone,
+    pub on_done: Notify,
 }
 
 pub(crate) enum Command {
@@ -80,6 +81,15 @@ pub(crate) struct WorkerInfo {
     pub provider: String,
     /// Per domain: name, endpoint address, (key, remote base) of the immediate slot.
     pub domains: Vec<(String, Vec<u8>, (u64, u64))>,
+    /// Per-domain traffic counters the worker updates.
+    pub stats: Arc<[DomainCounters]>,
+}
+
+/// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
+#[derive(Default)]
+pub(crate) struct DomainCounters {
+    pub ops: std::sync::atomic::AtomicU64,
+    pub bytes: std::sync::atomic::AtomicU64,
 }
 
 struct Region {
@@ -93,7 +103,7 @@ struct Region {
 struct Request {
     remaining: usize,
     error: Option<FabricError>,
-    on_done: OnDone,
+    on_done: Notify,
     /// Immediates to send once every data shard was delivered, with their resolved targets.
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
 }
@@ -105,6 +115,12 @@ enum Op {
 }
 
 impl Op {
+    fn len(&self) -> usize {
+        match *self {
+            Op::Write { len, .. } | Op::Send { len, .. } => len,
+        }
+    }
+
     fn dest(&self) -> u64 {
         match *self {
             Op::Write { dest, .. } | Op::Send { dest, .. } => dest,
@@ -144,6 +160,7 @@ pub(crate) fn spawn(
                             .iter()
                             .map(|d| (d.domain.domain_name(), d.domain.address().to_vec(), d.imm_target()))
                             .collect(),
+                        stats: worker.stats.clone(),
                     };
                     let _ = ready_tx.send(Ok(info));
                     worker.run();
@@ -187,6 +204,9 @@ struct Worker {
     recv_contexts: HashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
     imm_batch: HashMap<u32, u32>,
+    stats: Arc<[DomainCounters]>,
+    /// Requests finished in this round, delivered by `flush_done`.
+    done: Vec<(OnDone, Result<()>)>,
     /// The same-host channel, opened on the first same-host GPU write.
     local: Option<LocalChannel>,
     local_done: Vec<LocalDone>,
@@ -232,6 +252,8 @@ impl Worker {
             outstanding: HashSet::new(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
             imm_batch: HashMap::new(),
+            done: Vec::new(),
+            stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
             local: None,
             local_done: Vec::new(),
             paged_copy_blocks: config.paged_copy_blocks,
@@ -281,7 +303,9 @@ impl Worker {
                         Err(RecvTimeoutError::Disconnected) => return self.shutdown(),
                     }
                 }
-                _ => std::hint::spin_loop(),
+                // Yield between empty polls: free when the core is ours alone, and it lets the
+                // application and callback threads run where cores are oversubscribed.
+                _ => std::thread::yield_now(),
             }
         }
     }
@@ -333,7 +357,7 @@ impl Worker {
         true
     }
 
-    fn new_request(&mut self, on_done: OnDone, parts: usize) -> u64 {
+    fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
         let id = self.next_request;
         self.next_request += 1;
         self.requests.insert(id, Request { remaining: parts, error: None, on_done, deferred: Vec::new() });
@@ -503,6 +527,9 @@ impl Worker {
         };
         match posted {
             Ok(Posted::Ok) => {
+                let counters = &self.stats[domain];
+                counters.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                counters.bytes.fetch_add(post.op.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 self.outstanding.insert(context as usize);
                 if let Some(r) = region.and_then(|r| self.regions.get_mut(&r)) {
                     r.in_flight += 1;
@@ -592,7 +619,39 @@ impl Worker {
             let events = self.imm.add_batch(&batch);
             self.callbacks.push_imm_events(events);
         }
+        self.flush_done();
         active
+    }
+
+    /// Reports a request's outcome: counters are bumped here, callbacks wait for `flush_done`.
+    fn notify(&mut self, on_done: Notify, result: Result<()>) {
+        match on_done {
+            Notify::Counter(counter) => counter.complete(result),
+            Notify::Callback(cb) => self.done.push((cb, result)),
+        }
+    }
+
+    /// Hands the completions gathered in this round to the callback thread as one job (one
+    /// channel send and at most one wake-up per round, not per request).
+    fn flush_done(&mut self) {
+        match self.done.len() {
+            0 => {}
+            1 => {
+                let (on_done, result) = self.done.pop().expect("one");
+                self.callbacks.push(Box::new(move || on_done(result)));
+            }
+            _ => {
+                let done = std::mem::take(&mut self.done);
+                self.callbacks.push(Box::new(move || {
+                    for (on_done, result) in done {
+                        // One panicking callback must not swallow the others of the batch.
+                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| on_done(result))).is_err() {
+                            tracing::error!("a fabric-lib completion callback panicked");
+                        }
+                    }
+                }));
+            }
+        }
     }
 
     fn on_completion(&mut self, completion: Completion) {
@@ -685,8 +744,7 @@ impl Worker {
         }
         let req = self.requests.remove(&request).expect("present");
         let result = req.error.map_or(Ok(()), Err);
-        let on_done = req.on_done;
-        self.callbacks.push(Box::new(move || on_done(result)));
+        self.notify(req.on_done, result);
     }
 
     fn deliver(&mut self, msg: Vec<u8>) {
@@ -725,28 +783,24 @@ impl Worker {
             self.deadlines.pop_front();
             if let Some(req) = self.requests.remove(&id) {
                 let timeout = self.transfer_timeout;
-                let on_done = req.on_done;
-                self.callbacks.push(Box::new(move || {
-                    on_done(Err(FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"))))
-                }));
+                let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
+                self.notify(req.on_done, Err(e));
             }
         }
     }
 
     /// Fails everything still in flight, closes the domains and frees leftover contexts.
     fn shutdown(mut self) {
-        for (_, req) in self.requests.drain() {
-            let on_done = req.on_done;
-            self.callbacks.push(Box::new(move || on_done(Err(FabricError::Stopped))));
+        let requests: Vec<Request> = self.requests.drain().map(|(_, r)| r).collect();
+        for req in requests {
+            self.notify(req.on_done, Err(FabricError::Stopped));
         }
         self.waiting_sends.clear();
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
                 Command::Transfer(Transfer { on_done, .. })
                 | Command::Local(LocalTransfer { on_done, .. })
-                | Command::Send(SendCommand { on_done, .. }) => {
-                    self.callbacks.push(Box::new(move || on_done(Err(FabricError::Stopped))));
-                }
+                | Command::Send(SendCommand { on_done, .. }) => self.notify(on_done, Err(FabricError::Stopped)),
                 Command::Register { reply, .. } => {
                     let _ = reply.send(Err(FabricError::Stopped));
                 }
@@ -756,6 +810,7 @@ impl Worker {
                 Command::SetRecvCallback(_) | Command::Stop => {}
             }
         }
+        self.flush_done();
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
         drop(self.local.take()); // waits for same-host copies still running
         drop(self); // closes every registration, then the endpoints and domains

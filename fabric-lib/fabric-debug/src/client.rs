@@ -6,17 +6,19 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use crate::bootstrap::{Channel, Control};
-use crate::endpoint::{EngineArgs, Endpoint};
+use crate::endpoint::{Endpoint, EngineArgs};
 use crate::error::{Context, Result};
-use crate::latency::{RoundTrips, WaitKind};
+use crate::latency::RoundTrips;
 use crate::report::Report;
 use crate::throughput::{writes_for, Shape, Target};
+use crate::tracker::{Tracker, WaitKind};
 use crate::units::size_arg;
 
 /// Immediate values of the phases (distinct, so the server counts each phase on its own).
 const IMM_THROUGHPUT: u32 = 1;
 const IMM_OP_RATE: u32 = 2;
 const IMM_FENCE: u32 = 3;
+const IMM_PAGED: u32 = 6;
 const IMM_PING: u32 = 4;
 const IMM_PONG: u32 = 5;
 
@@ -26,6 +28,8 @@ pub enum Test {
     Throughput,
     Oprate,
     Rtt,
+    /// Paged-write sweep (`--page-sizes` × `--page-counts`).
+    Paged,
 }
 
 /// `fabric-debug client` options.
@@ -64,9 +68,16 @@ pub struct ClientArgs {
     /// Unmeasured round trips before them.
     #[arg(long, default_value_t = 1_000)]
     pub warmup_iters: u64,
-    /// How the client waits for each pong.
+    /// How the client waits for completions and pongs.
     #[arg(long, value_enum, default_value = "block")]
-    pub rtt_wait: WaitKind,
+    pub wait: WaitKind,
+    /// Page sizes of the paged test.
+    #[arg(long, value_delimiter = ',', value_parser = size_arg,
+          default_value = "1KiB,2KiB,4KiB,8KiB,16KiB,32KiB,64KiB")]
+    pub page_sizes: Vec<u64>,
+    /// Pages per request of the paged test.
+    #[arg(long, value_delimiter = ',', default_value = "100,10000")]
+    pub page_counts: Vec<u64>,
     /// Tests to run.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "throughput,oprate,rtt")]
     pub tests: Vec<Test>,
@@ -99,14 +110,17 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         })))
         .context("installing the receive callback")?;
 
-    let target = Target { engine: &ep.engine, src: ep.handle, src_len: ep.len, dst: &server_mr, stall };
+    let target =
+        Target { engine: &ep.engine, src: ep.handle, src_len: ep.len, dst: &server_mr, stall };
     let mut report = Report {
         tool: "fabric-debug",
         provider: ep.engine.provider().to_string(),
         domain: ep.engine.domain_names().join(","),
         poll_mode: args.engine.poll_mode_name(),
+        wait: args.wait.name(),
         reps: args.reps,
         throughput: Vec::new(),
+        paged: Vec::new(),
         op_rate: None,
         rtt: None,
         verified_imms: Vec::new(),
@@ -114,7 +128,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
     // Ask the server to confirm `count` arrivals of `imm`; its verdict comes over the fabric.
     let mut verify = |phase: &str, imm: u32, count: u64, report: &mut Report| -> Result<()> {
         ch.send(&Control::Expect { imm, count, fence: IMM_FENCE })?;
-        let tracker = crate::tracker::Tracker::new();
+        let tracker = Tracker::new(args.wait);
         ep.engine.submit_imm(IMM_FENCE, &server_mr, tracker.callback()).context("posting the fence")?;
         tracker.wait_all(1, stall)?;
         let bytes = msg_rx.recv_timeout(stall).with_context(|| format!("waiting for the server's {phase} verdict"))?;
@@ -134,8 +148,14 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         }
         verify("throughput", IMM_THROUGHPUT, posted, &mut report)?;
     }
+    if args.tests.contains(&Test::Paged) {
+        let (results, posted) = target.paged_sweep(&args.page_sizes, &args.page_counts, args.reps, IMM_PAGED)?;
+        report.paged = results;
+        verify("paged", IMM_PAGED, posted, &mut report)?;
+    }
     if args.tests.contains(&Test::Oprate) {
-        let shape = Shape { size: args.op_size, writes: args.ops, window: args.op_window, reps: args.reps, imm: IMM_OP_RATE };
+        let shape =
+            Shape { size: args.op_size, writes: args.ops, window: args.op_window, reps: args.reps, imm: IMM_OP_RATE };
         let (mut result, posted) = target.op_rate(shape)?;
         verify("op-rate", IMM_OP_RATE, posted, &mut report)?;
         result.verified = true;
@@ -152,7 +172,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
             pong: IMM_PONG,
             warmup: args.warmup_iters,
             iters: args.iters,
-            wait: args.rtt_wait,
+            wait: args.wait,
             timeout: stall,
         };
         report.rtt = Some(rtt.run()?);

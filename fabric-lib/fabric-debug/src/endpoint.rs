@@ -13,9 +13,14 @@ pub struct EngineArgs {
     /// if one exists, else `tcp`.
     #[arg(long)]
     pub provider: Option<String>,
-    /// Domain (NIC or interface); default: `lo` for software providers, else the first.
-    #[arg(long)]
-    pub domain: Option<String>,
+    /// Domains (NICs or interfaces), comma-separated or repeated; single writes are sharded
+    /// over all of them. Default: one domain (`lo` for software providers).
+    #[arg(long = "domain", value_delimiter = ',')]
+    pub domains: Vec<String>,
+    /// Open N domains when `--domain` names none: N × `lo` for software providers, else the
+    /// host's first N NICs from the topology.
+    #[arg(long = "domains", value_name = "N")]
+    pub domain_count: Option<usize>,
     /// Busy-poll the completion queue (the default: lowest latency, one core per worker).
     #[arg(long, conflicts_with = "adaptive")]
     pub busy: bool,
@@ -28,6 +33,22 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// The domain names to open, from `--domain` or `--domains N`.
+    pub fn domain_names(&self) -> Result<Vec<String>> {
+        let Some(n) = self.domain_count.filter(|_| self.domains.is_empty()) else {
+            return Ok(self.domains.clone());
+        };
+        let software = self.provider.as_deref().is_none_or(|p| ["tcp", "udp", "sockets"].iter().any(|s| p.starts_with(s)));
+        if software {
+            return Ok(vec!["lo".to_string(); n]);
+        }
+        let nics = fabric_lib::topology::detect(std::path::Path::new("/")).device("host").map(|d| d.nics.clone()).unwrap_or_default();
+        if nics.len() < n {
+            crate::bail!("--domains {n}: the topology lists only {} NICs ({})", nics.len(), nics.join(", "));
+        }
+        Ok(nics[..n].to_vec())
+    }
+
     /// The poll mode the flags select.
     pub fn poll_mode(&self) -> PollMode {
         if self.adaptive {
@@ -61,7 +82,7 @@ impl Endpoint {
     /// page faults land inside a measurement).
     pub fn open(args: &EngineArgs, len: usize) -> Result<Self> {
         let config = EngineConfig {
-            provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain.iter().cloned().collect() },
+            provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain_names()? },
             poll_mode: args.poll_mode(),
             worker_cpu: args.worker_cpu,
             ..Default::default()
@@ -71,8 +92,9 @@ impl Endpoint {
         let buffer: &'static mut [u8] = Box::leak(vec![0x5au8; len.max(1)].into_boxed_slice());
         // SAFETY: the buffer is leaked, so it stays allocated for the rest of the process and
         // therefore until the engine has unregistered it (or stopped).
-        let (handle, descriptor) = unsafe { engine.register_memory(buffer.as_mut_ptr(), buffer.len(), MemoryKind::Host) }
-            .with_context(|| format!("registering a {len}-byte buffer"))?;
+        let (handle, descriptor) =
+            unsafe { engine.register_memory(buffer.as_mut_ptr(), buffer.len(), MemoryKind::Host) }
+                .with_context(|| format!("registering a {len}-byte buffer"))?;
         Ok(Endpoint { engine: Arc::new(engine), handle, descriptor, len: len as u64 })
     }
 }

@@ -2,30 +2,11 @@
 //! server's expectation on `ping` fires and it sends `pong` back; the client waits for `pong`.
 use std::time::{Duration, Instant};
 
-use clap::ValueEnum;
 use fabric_lib::{MrDescriptor, TransferEngine};
 
 use crate::error::{Context, Result};
 use crate::report::{median, percentile, Latency};
-use crate::tracker::{spin_until, Tracker};
-
-/// How the client waits for the answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum WaitKind {
-    /// `wait_imm_count` (blocks on a condition variable).
-    Block,
-    /// Polls `imm_count` (spinning, then yielding).
-    Spin,
-}
-
-impl WaitKind {
-    fn name(self) -> &'static str {
-        match self {
-            WaitKind::Block => "block",
-            WaitKind::Spin => "spin",
-        }
-    }
-}
+use crate::tracker::{spin_until, Tracker, WaitKind};
 
 /// One round-trip test; the server must already be echoing `warmup + iters` pings.
 pub struct RoundTrips<'a> {
@@ -57,7 +38,7 @@ impl RoundTrips<'_> {
 
     /// Runs the warm-up and the measured round trips.
     pub fn run(&self) -> Result<Latency> {
-        let tracker = Tracker::new();
+        let tracker = Tracker::new(self.wait);
         let mut samples = Vec::with_capacity(self.iters as usize);
         for i in 0..self.warmup + self.iters {
             let t = self.one(&tracker, i).with_context(|| format!("round trip {i}"))?;

@@ -11,7 +11,8 @@
 //!
 //! - single-write throughput per size, `window` writes in flight ([`throughput`]);
 //! - the rate of small writes with immediates, verified by the server counting them;
-//! - immediate round-trip latency, p50/p99 ([`latency`]).
+//! - immediate round-trip latency, p50/p99 ([`latency`]);
+//! - paged-write sweeps, page sizes × page counts, per domain and in total ([`paged`]).
 //!
 //! Each measurement is the median of several timed repetitions after a warm-up. Output is a
 //! table, or one JSON object with `--json` ([`report`]). Bad input and failures end the process
@@ -21,6 +22,7 @@ mod client;
 mod endpoint;
 mod error;
 mod latency;
+mod paged;
 mod report;
 mod server;
 mod throughput;

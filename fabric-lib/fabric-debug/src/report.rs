@@ -53,8 +53,11 @@ pub struct Report {
     pub provider: String,
     pub domain: String,
     pub poll_mode: &'static str,
+    /// How the client waited for completions (`block` or `spin`).
+    pub wait: &'static str,
     pub reps: u64,
     pub throughput: Vec<Throughput>,
+    pub paged: Vec<crate::paged::Paged>,
     pub op_rate: Option<OpRate>,
     pub rtt: Option<Latency>,
     /// Which immediates the server verified (phase -> count).
@@ -81,8 +84,8 @@ impl Report {
     /// The human-readable form.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "fabric-debug: provider {} domain {} poll {} (median of {} reps)\n",
-            self.provider, self.domain, self.poll_mode, self.reps
+            "fabric-debug: provider {} domain {} poll {} wait {} (median of {} reps)\n",
+            self.provider, self.domain, self.poll_mode, self.wait, self.reps
         );
         if !self.throughput.is_empty() {
             out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "size", "window", "writes", "GB/s", "Gbps");
@@ -94,6 +97,20 @@ impl Report {
                     t.writes_per_rep,
                     t.gbytes_per_s,
                     t.gbits_per_s
+                );
+            }
+        }
+        if !self.paged.is_empty() {
+            out += &format!("\n{:>10} {:>7} {:>10} {:>10}  per domain Gbps (share)\n", "page", "pages", "Gbps", "Mpages/s");
+            for p in &self.paged {
+                let doms: Vec<String> = p.per_domain.iter().map(|(g, _, s)| format!("{g:.2} ({:.0}%)", s * 100.0)).collect();
+                out += &format!(
+                    "{:>10} {:>7} {:>10.2} {:>10.4}  {}\n",
+                    format_size(p.page_size),
+                    p.pages,
+                    p.gbits_per_s,
+                    p.mpages_per_s,
+                    doms.join(", ")
                 );
             }
         }

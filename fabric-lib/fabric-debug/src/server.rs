@@ -9,7 +9,7 @@ use clap::Args;
 use fabric_lib::{EngineAddress, MrDescriptor, TransferEngine};
 
 use crate::bootstrap::{Channel, Control};
-use crate::endpoint::{EngineArgs, Endpoint};
+use crate::endpoint::{Endpoint, EngineArgs};
 use crate::error::{Context, Result};
 use crate::units::size_arg;
 
@@ -43,7 +43,8 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     println!("READY {bound} provider={} domain={}", ep.engine.provider(), ep.engine.domain_names().join(","));
     std::io::stdout().flush().context("writing to stdout")?;
 
-    let mut ch = Channel::accept(&listener, Duration::from_secs(args.accept_timeout), Duration::from_secs(args.idle_timeout))?;
+    let mut ch =
+        Channel::accept(&listener, Duration::from_secs(args.accept_timeout), Duration::from_secs(args.idle_timeout))?;
     ch.send(&Control::hello(ep.engine.main_address(), &ep.descriptor))?;
     let (client, client_mr) = ch.recv()?.into_peer().context("client hello")?;
     eprintln!("fabric-debug server: client {} connected ({} region)", ch.peer(), client_mr.len);
@@ -84,7 +85,10 @@ fn verify(engine: &TransferEngine, imm: u32, count: u64, fence: u32, timeout: Du
             if surplus == 0 {
                 Control::Reply { ok: true, message: format!("counted {count} of immediate {imm}") }
             } else {
-                Control::Reply { ok: false, message: format!("immediate {imm}: {surplus} more than the {count} expected") }
+                Control::Reply {
+                    ok: false,
+                    message: format!("immediate {imm}: {surplus} more than the {count} expected"),
+                }
             }
         }
         Err(message) => Control::Reply { ok: false, message },
@@ -119,10 +123,10 @@ fn arm_echo(engine: Weak<TransferEngine>, dst: Arc<MrDescriptor>, ping: u32, pon
             1,
             Box::new(move || {
                 let Some(e) = engine.upgrade() else { return };
-                let on_done = Box::new(|r: fabric_lib::Result<()>| {
-                    if let Err(err) = r {
-                        eprintln!("fabric-debug server: pong failed: {err}");
-                    }
+                let on_done = Box::new(|r: fabric_lib::Result<()>| match r {
+                    // The session may end before the last pong's local completion is read.
+                    Ok(()) | Err(fabric_lib::FabricError::Stopped) => {}
+                    Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
                 });
                 if let Err(err) = e.submit_imm(pong, &dst, on_done) {
                     eprintln!("fabric-debug server: posting a pong failed: {err}");

@@ -2,12 +2,11 @@
 //! `window` deep in flight, timed from the first post to the last local completion.
 use std::time::{Duration, Instant};
 
-use fabric_lib::{MrDescriptor, MrHandle, TransferEngine, WriteRequest};
+use fabric_lib::{CompletionCounter, DomainChoice, MrDescriptor, MrHandle, TransferEngine, WriteRequest};
 
 use crate::bail;
 use crate::error::{Context, Result};
 use crate::report::{median, OpRate, Throughput};
-use crate::tracker::Tracker;
 use crate::units::format_size;
 
 /// Where writes go: a local source region and the peer's destination region.
@@ -45,10 +44,21 @@ impl Target<'_> {
         }
         let src_slots = self.src_len / size;
         let dst_slots = self.dst.len / size;
-        let tracker = Tracker::new();
+        // Completions are counted by the worker itself (no callback-thread hop per write).
+        let counter = CompletionCounter::new();
+        let window = window.max(1);
+        let check = |counter: &CompletionCounter| -> Result<()> {
+            match counter.first_error() {
+                Some(e) => bail!("{} write(s) failed; first: {e}", counter.failed()),
+                None => Ok(()),
+            }
+        };
         let start = Instant::now();
         for i in 0..writes {
-            tracker.wait_window(i, window.max(1), self.stall)?;
+            if i >= window {
+                counter.wait_for(i - window + 1, self.stall).context("waiting for the window")?;
+                check(&counter)?;
+            }
             let req = WriteRequest {
                 src: self.src,
                 src_offset: (i % src_slots) * size,
@@ -56,13 +66,14 @@ impl Target<'_> {
                 dst: self.dst,
                 dst_offset: (i % dst_slots) * size,
                 imm: Some(imm),
-                domains: fabric_lib::DomainChoice::Shard(usize::MAX),
+                domains: DomainChoice::Shard(usize::MAX),
             };
             self.engine
-                .submit_write(&req, tracker.callback())
+                .submit_write_counted(&req, &counter)
                 .with_context(|| format!("posting write {i} of {writes} ({} bytes)", size))?;
         }
-        tracker.wait_all(writes, self.stall)?;
+        counter.wait_for(writes, self.stall).with_context(|| format!("waiting for {writes} completions"))?;
+        check(&counter)?;
         Ok(start.elapsed())
     }
 

@@ -35,7 +35,7 @@ pub fn size_arg(text: &str) -> std::result::Result<u64, String> {
 /// `4 KiB`, `64 MiB`, `100 B`.
 pub fn format_size(bytes: u64) -> String {
     for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+        if bytes >= 1 << shift && bytes & ((1 << shift) - 1) == 0 {
             return format!("{} {unit}", bytes >> shift);
         }
     }

@@ -1,0 +1,380 @@
+"""Compare fabric-lib with a raw-libfabric loop, server and client on one host.
+
+    python -m benchmarks.bench_transfer [--provider tcp] [--sizes 4K,1M,64M] [--json-out PATH]
+
+Builds `fabric-debug` (``cargo build --release -p fabric-debug``) if its binary is missing,
+compiles ``benchmarks/raw_libfabric/raw_write.c`` into ``<target>/raw_libfabric/``, then runs a
+server/client pair of each on loopback with the same sizes, window and repetitions, and prints
+one table: throughput per size (raw, fabric-lib, ratio), 64-byte op rate, and imm round-trip
+latency. Results go to ``bench-results/bench_transfer.json`` unless ``--json-out`` says
+otherwise. A failed run exits non-zero with the child's stderr; every child is bounded by a
+timeout and killed when this script exits. The issue's targets (fabric-lib >= 90% of raw
+throughput at 1, 16 and 64 MiB; >= 80% of raw op rate at 64 B) are reported, not asserted.
+See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RAW_SOURCE = REPO / "benchmarks" / "raw_libfabric" / "raw_write.c"
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+THROUGHPUT_TARGET = 0.90
+THROUGHPUT_TARGET_SIZES = (1 << 20, 16 << 20, 64 << 20)
+OP_RATE_TARGET = 0.80
+
+_children: list[subprocess.Popen] = []
+
+
+class BenchError(RuntimeError):
+    """A build or benchmark run failed; the message carries the child's output."""
+
+
+def _kill_children() -> None:
+    for proc in _children:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _on_signal(signum, _frame):
+    _kill_children()
+    sys.exit(128 + signum)
+
+
+def format_size(n: int) -> str:
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if t[-1:] in "kmg" else t
+    if not digits.isdigit() or int(digits) == 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 4K, 1M, 65536)")
+    return int(digits) * mult
+
+
+def target_dir() -> Path:
+    env = os.environ.get("CARGO_TARGET_DIR")
+    path = Path(env) if env else REPO / "target"
+    return path if path.is_absolute() else REPO / path
+
+
+def _run_checked(cmd: list[str], what: str, timeout: float) -> None:
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"{what} took longer than {timeout:.0f} s") from e
+    except OSError as e:
+        raise BenchError(f"{what}: cannot run {cmd[0]}: {e}") from e
+    if done.returncode != 0:
+        raise BenchError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+
+
+def fabric_debug_binary(rebuild: bool, timeout: float) -> Path:
+    binary = target_dir() / "release" / "fabric-debug"
+    if rebuild or not binary.exists():
+        print("building fabric-debug (cargo build --release -p fabric-debug) ...", file=sys.stderr)
+        _run_checked(["cargo", "build", "--release", "-p", "fabric-debug"], "cargo build", timeout)
+    if not binary.exists():
+        raise BenchError(f"cargo build succeeded but {binary} does not exist")
+    return binary
+
+
+def raw_binary(timeout: float) -> Path:
+    binary = target_dir() / "raw_libfabric" / "raw_write"
+    if not binary.exists() or binary.stat().st_mtime < RAW_SOURCE.stat().st_mtime:
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        cc = os.environ.get("CC", "cc")
+        _run_checked(
+            [cc, "-O2", "-o", str(binary), str(RAW_SOURCE), "-lfabric"], "compiling raw_write.c", timeout
+        )
+    return binary
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+def run_pair(name: str, server_cmd: list[str], client_cmd: list[str], timeout: float, logdir: Path) -> str:
+    """Starts the server, waits for its READY line, runs the client; returns the client's stdout."""
+    server_err, client_err = logdir / f"{name}-server.err", logdir / f"{name}-client.err"
+    deadline = time.monotonic() + timeout
+    with open(server_err, "w") as serr:
+        server = subprocess.Popen(
+            server_cmd, stdout=subprocess.PIPE, stderr=serr, text=True, start_new_session=True
+        )
+    _children.append(server)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump():
+        for line in server.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        line = lines.get(timeout=60)
+    except queue.Empty:
+        line = None
+    if not line or not line.startswith("READY "):
+        _kill_children()
+        raise BenchError(f"{name} server did not start (first line {line!r}):\n{_tail(server_err)}")
+    address = line.split()[1]
+    with open(client_err, "w") as cerr:
+        client = subprocess.Popen(
+            client_cmd + ["--connect", address],
+            stdout=subprocess.PIPE,
+            stderr=cerr,
+            text=True,
+            start_new_session=True,
+        )
+    _children.append(client)
+    try:
+        out, _ = client.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        server.wait(timeout=max(1.0, min(60.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired as e:
+        _kill_children()
+        raise BenchError(
+            f"{name} did not finish within {timeout:.0f} s:\nclient: {_tail(client_err)}\n"
+            f"server: {_tail(server_err)}"
+        ) from e
+    if client.returncode != 0 or server.returncode != 0:
+        raise BenchError(
+            f"{name} failed (client exit {client.returncode}, server exit {server.returncode}):\n"
+            f"client stderr:\n{_tail(client_err)}\nserver stderr:\n{_tail(server_err)}"
+        )
+    return out
+
+
+def common_args(a: argparse.Namespace) -> list[str]:
+    args = [
+        "--provider",
+        a.provider,
+        "--sizes",
+        a.sizes,
+        "--window",
+        str(a.window),
+        "--reps",
+        str(a.reps),
+        "--bytes-per-rep",
+        str(a.bytes_per_rep),
+        "--op-size",
+        "64",
+        "--op-window",
+        str(a.op_window),
+        "--ops",
+        str(a.ops),
+        "--iters",
+        str(a.iters),
+        "--warmup-iters",
+        str(a.warmup_iters),
+    ]
+    return args + (["--domain", a.domain] if a.domain else [])
+
+
+def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
+    server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"]
+    server += ["--domain", a.domain] if a.domain else []
+    out = run_pair("raw", server, [str(binary), "client"] + common_args(a), a.timeout, logdir)
+    tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {
+        "throughput": [t for t in tests if t["test"] == "throughput"],
+        "op_rate": next((t for t in tests if t["test"] == "op_rate"), None),
+        "rtt": next((t for t in tests if t["test"] == "rtt"), None),
+    }
+
+
+def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
+    mode = ["--adaptive"] if a.poll == "adaptive" else ["--busy"]
+    server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
+    server += ["--domain", a.domain] if a.domain else []
+    client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
+    out = run_pair("fabric-lib", server, client, a.timeout, logdir)
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError) as e:
+        raise BenchError(f"fabric-debug printed no JSON report:\n{out[-2000:]}") from e
+
+
+def ratio(x: float | None, y: float | None) -> float | None:
+    return y / x if x and y is not None else None
+
+
+def combine(rounds: list[dict], pick) -> float | None:
+    """Median over rounds of one per-round number (each already a median of repetitions)."""
+    vals = [v for v in (pick(r) for r in rounds) if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def compare(raw_rounds: list[dict], fab_rounds: list[dict], sizes: list[int]) -> dict:
+    def size_pick(size, key):
+        return lambda r: next((t[key] for t in r["throughput"] if t["size"] == size), None)
+
+    rows = []
+    for size in sizes:
+        raw = combine(raw_rounds, size_pick(size, "gbytes_per_s"))
+        fab = combine(fab_rounds, size_pick(size, "gbytes_per_s"))
+        target = THROUGHPUT_TARGET if size in THROUGHPUT_TARGET_SIZES else None
+        r = ratio(raw, fab)
+        rows.append(
+            {
+                "size": size,
+                "raw_gbytes_per_s": raw,
+                "fabric_lib_gbytes_per_s": fab,
+                "ratio": r,
+                "target": target,
+                "meets_target": None if target is None or r is None else r >= target,
+            }
+        )
+    op = lambda r: (r.get("op_rate") or {}).get("mops_per_s")  # noqa: E731
+    raw_op, fab_op = combine(raw_rounds, op), combine(fab_rounds, op)
+    op_ratio = ratio(raw_op, fab_op)
+    lat = {}
+    for side, rounds in (("raw", raw_rounds), ("fabric_lib", fab_rounds)):
+        for key in ("p50_us", "p99_us"):
+            lat[f"{side}_{key}"] = combine(rounds, lambda r, k=key: (r.get("rtt") or {}).get(k))
+    return {
+        "throughput": rows,
+        "op_rate": {
+            "size": 64,
+            "raw_mops_per_s": raw_op,
+            "fabric_lib_mops_per_s": fab_op,
+            "ratio": op_ratio,
+            "target": OP_RATE_TARGET,
+            "meets_target": None if op_ratio is None else op_ratio >= OP_RATE_TARGET,
+        },
+        "rtt": lat,
+    }
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(cmp: dict, a: argparse.Namespace, provider: str) -> str:
+    out = [
+        f"provider {provider}, window {a.window}, op window {a.op_window}, {a.reps} reps x {a.rounds} round(s), "
+        f"poll {a.poll}; medians",
+        "",
+        f"{'size':>8} {'raw GB/s':>9} {'fabric GB/s':>11} {'ratio':>6}  target",
+    ]
+    for row in cmp["throughput"]:
+        verdict = (
+            ""
+            if row["target"] is None
+            else (f">={row['target']:.2f} " + {True: "met", False: "MISSED", None: "?"}[row["meets_target"]])
+        )
+        out.append(
+            f"{format_size(row['size']):>8} {fmt(row['raw_gbytes_per_s'], '9.3f')} "
+            f"{fmt(row['fabric_lib_gbytes_per_s'], '11.3f')} {fmt(row['ratio'], '6.2f')}  {verdict}"
+        )
+    op = cmp["op_rate"]
+    verdict = {True: "met", False: "MISSED", None: "?"}[op["meets_target"]]
+    out += [
+        "",
+        f"op rate, 64 B writes with imm: raw {fmt(op['raw_mops_per_s'], '.3f')} Mops/s, fabric-lib "
+        f"{fmt(op['fabric_lib_mops_per_s'], '.3f')} Mops/s, ratio {fmt(op['ratio'], '.2f')} "
+        f"(target >={op['target']:.2f} {verdict})",
+    ]
+    lat = cmp["rtt"]
+    out.append(
+        f"imm round trip: fabric-lib p50 {fmt(lat['fabric_lib_p50_us'], '.1f')} us, p99 "
+        f"{fmt(lat['fabric_lib_p99_us'], '.1f')} us (raw loop: p50 {fmt(lat['raw_p50_us'], '.1f')} us, "
+        f"p99 {fmt(lat['raw_p99_us'], '.1f')} us)"
+    )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--provider", default="tcp")
+    p.add_argument("--domain", default=None, help="default: lo for software providers")
+    p.add_argument("--sizes", default=DEFAULT_SIZES)
+    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--op-window", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1, help="alternate raw/fabric-lib runs this many times")
+    p.add_argument("--bytes-per-rep", type=parse_size, default=512 << 20)
+    p.add_argument("--ops", type=int, default=200_000, help="64-byte writes per op-rate repetition")
+    p.add_argument("--iters", type=int, default=10_000, help="measured round trips")
+    p.add_argument("--warmup-iters", type=int, default=1_000)
+    p.add_argument("--poll", choices=("busy", "adaptive"), default="busy")
+    p.add_argument(
+        "--wait",
+        choices=("block", "spin"),
+        default="block",
+        help="how the fabric-debug client waits for completions and pongs",
+    )
+    p.add_argument("--timeout", type=float, default=900, help="seconds per server/client run")
+    p.add_argument("--rebuild", action="store_true", help="run cargo build even if the binary exists")
+    p.add_argument("--json-out", type=Path, default=REPO / "bench-results" / "bench_transfer.json")
+    a = p.parse_args(argv)
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if min(a.window, a.op_window, a.reps, a.rounds, a.ops, a.iters) <= 0:
+        p.error("--window, --op-window, --reps, --rounds, --ops and --iters must be positive")
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        fabric_bin = fabric_debug_binary(a.rebuild, a.timeout)
+        raw_bin = raw_binary(a.timeout)
+        raw_rounds, fab_rounds = [], []
+        with tempfile.TemporaryDirectory(prefix="bench_transfer.") as tmp:
+            for i in range(a.rounds):
+                print(f"round {i + 1}/{a.rounds}: raw libfabric ...", file=sys.stderr)
+                raw_rounds.append(run_raw(a, raw_bin, Path(tmp)))
+                print(f"round {i + 1}/{a.rounds}: fabric-lib ...", file=sys.stderr)
+                fab_rounds.append(run_fabric(a, fabric_bin, Path(tmp)))
+    except BenchError as e:
+        print(f"bench_transfer: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _kill_children()
+    cmp = compare(raw_rounds, fab_rounds, sizes)
+    provider = fab_rounds[-1].get("provider", a.provider)
+    print(table(cmp, a, provider))
+    result = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "machine": {"cpus": os.cpu_count(), "loadavg_before_report": os.getloadavg()},
+        "provider": provider,
+        "comparison": cmp,
+        "raw": raw_rounds,
+        "fabric_lib": fab_rounds,
+    }
+    a.json_out.parent.mkdir(parents=True, exist_ok=True)
+    a.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {a.json_out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

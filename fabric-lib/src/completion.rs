@@ -1,0 +1,107 @@
+//! How a request reports that it finished: a callback on the callback thread, or a
+//! [`CompletionCounter`] the worker bumps itself (no thread hop: the fast path for many small
+//! operations whose caller only needs to know how many are done).
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{FabricError, Result};
+use crate::worker::OnDone;
+
+/// Where a request's outcome goes.
+pub(crate) enum Notify {
+    Callback(OnDone),
+    Counter(Arc<CompletionCounter>),
+}
+
+/// Counts finished requests (and failed ones, keeping the first error). Updated by the worker
+/// directly; any thread may wait on it.
+#[derive(Default)]
+pub struct CompletionCounter {
+    done: AtomicU64,
+    failed: AtomicU64,
+    first_error: Mutex<Option<FabricError>>,
+    sleeping: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+impl CompletionCounter {
+    /// A counter at zero.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Requests finished so far, failed ones included.
+    pub fn done(&self) -> u64 {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Requests that failed so far.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// The first failure, if any.
+    pub fn first_error(&self) -> Option<FabricError> {
+        self.first_error.lock().clone()
+    }
+
+    pub(crate) fn complete(&self, result: Result<()>) {
+        if let Err(e) = result {
+            self.first_error.lock().get_or_insert(e);
+            self.failed.fetch_add(1, Ordering::AcqRel);
+        }
+        self.done.fetch_add(1, Ordering::AcqRel);
+        if self.sleeping.load(Ordering::Acquire) {
+            let _guard = self.lock.lock();
+            self.wake.notify_all();
+        }
+    }
+
+    /// Waits until at least `n` requests finished: spins (yielding) briefly, then sleeps until
+    /// woken. Errors after `timeout`.
+    pub fn wait_for(&self, n: u64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let spin_until = Instant::now() + Duration::from_micros(50);
+        while self.done() < n {
+            if Instant::now() < spin_until {
+                std::thread::yield_now();
+                continue;
+            }
+            let mut guard = self.lock.lock();
+            self.sleeping.store(true, Ordering::Release);
+            while self.done() < n {
+                if self.wake.wait_until(&mut guard, deadline).timed_out() && self.done() < n {
+                    self.sleeping.store(false, Ordering::Release);
+                    return Err(FabricError::Timeout(format!("{} of {n} requests finished within {timeout:?}", self.done())));
+                }
+            }
+            self.sleeping.store(false, Ordering::Release);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_errors_and_wakes_waiters() {
+        let c = CompletionCounter::new();
+        assert!(matches!(c.wait_for(1, Duration::from_millis(10)), Err(FabricError::Timeout(_))));
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            for i in 0..1000 {
+                c2.complete(if i == 7 { Err(FabricError::Stopped) } else { Ok(()) });
+            }
+        });
+        c.wait_for(1000, Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
+        assert_eq!((c.done(), c.failed()), (1000, 1));
+        assert_eq!(c.first_error(), Some(FabricError::Stopped));
+    }
+}

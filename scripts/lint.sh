@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Lints everything (configuration lives in Cargo.toml / pyproject.toml): clippy with warnings as
+# errors, rustfmt, ruff, mypy on the package and stubtest of the native module's .pyi.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+$PY -c "import ruff, mypy" >/dev/null 2>&1 || $PY -m pip install -q --disable-pip-version-check ruff mypy
+echo "== lint: cargo clippy"
+cargo clippy -q --workspace --all-targets -- -D warnings
+echo "== lint: rustfmt"
+cargo fmt --all --check
+echo "== lint: ruff"
+$PY -m ruff check python tests benchmarks scripts
+echo "== lint: mypy"
+$PY -m mypy python/fabric_lib
+$PY -m mypy.stubtest fabric_lib._rust
