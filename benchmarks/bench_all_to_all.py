@@ -15,6 +15,9 @@ behind a sleep kernel, so host launch overhead is not counted):
   through a counts exchange and an uneven ``all_to_all_single`` (host sync for the split sizes),
   combine as the reverse ``all_to_all_single`` plus an fp32 ``index_add_``.
 
+``--sweep D:C[:TMA] ...`` also times fused calls of prefill-sized configs with D / C sending warps
+per block (and the bulk copy engine on or off for dispatch): ``dispatch@SPEC`` / ``combine@SPEC``.
+
 p50 and p99 go to stdout and JSON (``--out``), and a PNG next to it when matplotlib is installed.
 Only NVLink ranks of one host are implemented (``--nvlink``); ``--nets-per-gpu`` and
 ``--node-rank`` are recorded for the later RDMA path.
@@ -62,6 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
+    p.add_argument(
+        "--sweep",
+        nargs="*",
+        default=[],
+        metavar="D:C[:TMA]",
+        help="also time fused dispatch / combine with D / C sending warps per block (1..16; the "
+        "others receive meanwhile) and the bulk copy engine on (1) or off (0) for dispatch, for "
+        "configs of at least --sweep-min-tokens tokens (results: dispatch@SPEC, combine@SPEC)",
+    )
+    p.add_argument("--sweep-min-tokens", type=int, default=1024)
+    p.add_argument("--sweep-iters", type=int, default=60)
     p.add_argument("--out", default="bench-results/bench_all_to_all.json")
     return p.parse_args(argv)
 
@@ -227,6 +241,34 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     a2a.destroy()
     del out, xf, got
 
+    # Sending warps per block of fused calls (read from the environment when the object is made).
+    for spec in args.sweep if T >= args.sweep_min_tokens else []:
+        fields = spec.split(":")
+        env = {"FABRIC_A2A_DISPATCH_SEND_WARPS": fields[0], "FABRIC_A2A_COMBINE_SEND_WARPS": fields[1]}
+        if len(fields) > 2:
+            env["FABRIC_A2A_TMA"] = fields[2]
+        os.environ.update(env)
+        try:
+            sw = AllToAll(
+                max_num_tokens=T,
+                hidden=H,
+                num_experts=E,
+                experts_per_token=K,
+                dispatch_dtype=dtype,
+                max_tokens_per_expert=rows,
+            )
+        finally:
+            for k in env:
+                del os.environ[k]
+        for _ in range(args.warmup + args.sweep_iters):
+            timer.phase([lambda: sw.dispatch(x, idx, scales=scales)])
+        record([f"dispatch@{spec}"])
+        for _ in range(args.warmup + args.sweep_iters):
+            timer.phase([lambda: sw.combine(expert_out, idx, w)])
+        record([f"combine@{spec}"])
+        sw.check()
+        sw.destroy()
+
     if not args.no_nccl:
         nccl = NcclAllToAll(world, L)
         recv, state = nccl.dispatch(x, scales, idx)
@@ -297,6 +339,9 @@ def worker(local_rank: int, args: argparse.Namespace, world: int) -> None:
                 )
                 if "nccl_dispatch" in s:
                     line += f" | NCCL {s['nccl_dispatch']['p50']} / {s['nccl_combine']['p50']}"
+                sweep = [f"{k} {v['p50']}" for k, v in s.items() if "@" in k]
+                if sweep:
+                    line += " | sweep " + ", ".join(sweep)
                 print(
                     f"{line}  (err {res['max_combine_error']:.3g}, {time.monotonic() - t0:.1f}s)", flush=True
                 )

@@ -37,12 +37,15 @@ SCENARIOS = [
     "device_num_tokens",
     "split_halves",
     "unfused",
+    "streaming",
+    "wide_rows",
     "consecutive",
     "dispatch_only_loop",
     "cuda_graph",
     "host_counts",
     "bad_input",
     "device_errors",
+    "call_order",
     "peer_timeout",
 ]
 
@@ -57,16 +60,16 @@ def _gpu_count() -> int:
 # ------------------------------------------------------------------------------------ reference
 
 
-def make_tokens(T: int, dtype: Any, gen: Any, device: Any) -> tuple[Any, Any, Any]:
+def make_tokens(T: int, dtype: Any, gen: Any, device: Any, hidden: int = HIDDEN) -> tuple[Any, Any, Any]:
     """(x, scales or None, dequantized fp32 x) with fp8 scales per 128 values."""
-    xf = torch.randn(T, HIDDEN, generator=gen).to(device)
+    xf = torch.randn(T, hidden, generator=gen).to(device)
     if dtype == torch.bfloat16:
         x = xf.bfloat16()
         return x, None, x.float()
-    blocks = xf.view(T, HIDDEN // 128, 128)
+    blocks = xf.view(T, hidden // 128, 128)
     scales = (blocks.abs().amax(-1).clamp(min=1e-4) / 448.0).contiguous()
-    q = (blocks / scales[..., None]).to(torch.float8_e4m3fn).view(T, HIDDEN)
-    deq = (q.float().view(T, HIDDEN // 128, 128) * scales[..., None]).view(T, HIDDEN)
+    q = (blocks / scales[..., None]).to(torch.float8_e4m3fn).view(T, hidden)
+    deq = (q.float().view(T, hidden // 128, 128) * scales[..., None]).view(T, hidden)
     return q, scales, deq
 
 
@@ -119,7 +122,7 @@ def check_dispatch(a2a: Any, out: Any, x: Any, scales: Any, idx: Any, T_live: in
     xb = (
         x.view(torch.uint8)
         if x.numel()
-        else torch.empty((0, HIDDEN * x.element_size()), dtype=torch.uint8, device=dev)
+        else torch.empty((0, a2a.hidden * x.element_size()), dtype=torch.uint8, device=dev)
     )
     row_bytes = xb.shape[1]
     px = torch.zeros((Tm, row_bytes), dtype=torch.uint8, device=dev)
@@ -177,7 +180,7 @@ def round_trip(
     a2a: Any, kind: str, T: int, gen: Any, *, T_live: int | None = None, full: bool = True
 ) -> None:
     dev = a2a.device
-    x, scales, deq = make_tokens(T, a2a.dispatch_dtype, gen, dev)
+    x, scales, deq = make_tokens(T, a2a.dispatch_dtype, gen, dev, a2a.hidden)
     idx, w = make_routing(kind, T, a2a.num_experts, gen, dev)
     nt = None
     if T_live is not None:
@@ -263,6 +266,51 @@ def sc_unfused(gen: Any) -> None:
         a2a = new_a2a(dtype, fused=False)
         round_trip(a2a, "masked", MAX_TOKENS, gen)
         round_trip(a2a, "skewed", 50, gen)
+        a2a.destroy()
+
+
+def _with_send_warps(dispatch: int | None, combine: int | None, make: Any) -> Any:
+    """Creates an AllToAll with the sending warps of fused calls forced (read at creation)."""
+    names = {"FABRIC_A2A_DISPATCH_SEND_WARPS": dispatch, "FABRIC_A2A_COMBINE_SEND_WARPS": combine}
+    try:
+        for k, v in names.items():
+            if v is not None:
+                os.environ[k] = str(v)
+        return make()
+    finally:
+        for k in names:
+            os.environ.pop(k, None)
+
+
+def sc_streaming(gen: Any) -> None:
+    """Many tokens per block (prefill): fused calls stream (some warps send while the others
+    receive), with the default split, the extremes, and back to back calls of varying size."""
+    big = 2048
+    a2a = new_a2a(torch.float8_e4m3fn, max_num_tokens=big)  # default: streams (>= 4 tokens per block)
+    round_trip(a2a, "uniform", big, gen)
+    round_trip(a2a, "masked", big - 301, gen)
+    round_trip(a2a, "skewed", big, gen)
+    round_trip(a2a, "uniform", 5 + a2a.rank, gen)
+    a2a.destroy()
+    for dw, cw in ((1, 1), (15, 15), (16, 16)):
+        a2a = _with_send_warps(dw, cw, lambda: new_a2a(torch.bfloat16, max_num_tokens=big))
+        round_trip(a2a, "masked", big, gen)
+        round_trip(a2a, "uniform", 700 + 3 * a2a.rank, gen, T_live=650)
+        a2a.destroy()
+    a2a = _with_send_warps(2, 3, lambda: new_a2a(torch.float8_e4m3fn))  # one token per block
+    round_trip(a2a, "masked", MAX_TOKENS, gen)
+    round_trip(a2a, "skewed", MAX_TOKENS, gen)
+    a2a.destroy()
+
+
+def sc_wide_rows(gen: Any) -> None:
+    """The benchmark's hidden size: rows of several 2 KiB chunks (fp8 with a partial last one and
+    fp32 scales in the record), decode-sized and streaming."""
+    H = 7168
+    for dtype, T in ((torch.float8_e4m3fn, 64), (torch.bfloat16, 64), (torch.float8_e4m3fn, 1100)):
+        a2a = new_a2a(dtype, hidden=H, max_num_tokens=T, max_tokens_per_expert=2 * T)
+        round_trip(a2a, "masked", T, gen)
+        round_trip(a2a, "uniform", T - 7, gen)
         a2a.destroy()
 
 
@@ -450,6 +498,22 @@ def sc_device_errors(gen: Any) -> None:
     small.destroy()
 
 
+def sc_call_order(gen: Any) -> None:
+    """A send half twice without the receive half is reported (not silently raced); the object
+    works again once the halves are back in order."""
+    a2a = new_a2a(torch.bfloat16)
+    dev = a2a.device
+    x, _, _ = make_tokens(MAX_TOKENS, torch.bfloat16, gen, dev)
+    idx, _ = make_routing("uniform", MAX_TOKENS, a2a.num_experts, gen, dev)
+    a2a.dispatch(x, idx, do_recv=False)
+    a2a.dispatch(x, idx, do_recv=False)
+    a2a.dispatch(do_send=False)
+    _raises(InvalidArgumentError, a2a.check, "before the receive half")
+    a2a.dispatch(do_send=False)  # the second send's receive half: back in order
+    round_trip(a2a, "uniform", MAX_TOKENS, gen)
+    a2a.destroy()
+
+
 def sc_peer_timeout(gen: Any) -> None:
     """Rank 0 skips a dispatch: the others' kernels time out and report it instead of hanging."""
     import torch.distributed as dist
@@ -478,12 +542,15 @@ RUNNERS = {
     "device_num_tokens": sc_device_num_tokens,
     "split_halves": sc_split_halves,
     "unfused": sc_unfused,
+    "streaming": sc_streaming,
+    "wide_rows": sc_wide_rows,
     "consecutive": sc_consecutive,
     "dispatch_only_loop": sc_dispatch_only_loop,
     "cuda_graph": sc_cuda_graph,
     "host_counts": sc_host_counts,
     "bad_input": sc_bad_input,
     "device_errors": sc_device_errors,
+    "call_order": sc_call_order,
     "peer_timeout": sc_peer_timeout,
 }
 assert list(RUNNERS) == SCENARIOS

@@ -1,39 +1,51 @@
 // Shared definitions of the MoE all-to-all kernels: the parameter block (mirrored by
 // src/params.rs, field for field, all 64-bit), memory-model helpers, flag waits with a timeout.
 //
-// Memory of one rank (see src/layout.rs for the offsets, computed once on the host):
+// Memory of one rank (see src/layout.rs for the offsets, computed once on the host). Dispatch
+// arrays are doubled and indexed by the call's parity (n & 1): a source writes call n+1 while
+// this rank may still read call n, and it can only reach call n+2 after this rank's receive of
+// call n finished (see docs/all_to_all.md, "Flags and buffer reuse"), so no acknowledgement is
+// needed. Combine arrays are single: the weights of the next combine order them.
 //   shared region (CUDA IPC, written by peers over NVLink):
-//     dflag[W]  u64  dispatch data from src complete:     (seq << 32) | tokens of src
-//     dack[W]   u64  dst consumed my dispatch data:        (seq << 32)
-//     cwflag[W] u64  combine weights from src written:     (seq << 32)
-//     cflag[W]  u64  combine partial sums from dst written: (seq << 32)
-//     dcnt[W][L]           i32   rows src sends to each of my local experts
-//     hdr[W][Tmax][K]      int2  per (src, token, slot): (local expert, position) or (-1, -1)
-//     data[W][Tmax][rec]   bytes token record: data (hidden * elem) then fp32 scales
-//     cw[W][Tmax][K]       f32   weights of src's tokens (combine)
-//     cdata[W][Tmax][H]    bf16  partial sums of my tokens computed by each dst (combine)
+//     dcf[2][W]            u64   counts of src published:  (seq << 32) | tokens of src
+//     dcnt[2][W][L]        i32   rows src sends to each of my local experts
+//     dtf[2][W][Tmax]      u64   token t of src written:   (seq << 32) | slots of t that are mine
+//     hdr[2][W][Tmax][K]   int2  (local expert, position among src's rows of it) per mine slot
+//     data[2][W][Tmax][rec] bytes token record: values (hidden * elem), fp32 scales, padding
+//     cw[W][Tmax][K]       u64   weights of src's tokens:  (seq << 32) | fp32 bits (each word is
+//                                its own flag: no separate flag, no fence on the writer's side)
+//     ctf[W][Tmax][NC]     u64   partial (dst, token, 2 KiB chunk) written: (seq << 32)
+//     cdata[W][Tmax][H]    bf16  partial sums of my tokens computed by each dst
 //   state (local device memory):
-//     seq[4] u64 (per kernel kind), done[4] u32, poison u32, my_tokens u32, recv_tokens[W] u32,
-//     token_mask[Tmax] u32, map[W][Tmax][K] i32 (row of the expert-major output, or -1)
+//     seq[4][A2A_MAX_GRID] u32 (per kernel kind and block), poison u32, my_tokens u32,
+//     recv_tokens[W] u32, token_mask[Tmax] u32, map[W][Tmax][K] i32 (row of the expert-major
+//     output; A2A_NOT_MINE when the slot did not come here, A2A_DROPPED when it overflowed)
 //   host block (pinned, mapped): err[8] u32, counts seq u64 at 64, counts[E] u32 at 128.
 //
-// Flags carry a sequence number per kernel kind, kept in device memory and advanced by the last
-// block of each launch: nothing is reset by the host, so back-to-back calls and CUDA-graph replays
-// work. A remote (RDMA) proxy could raise the same flags with the same values.
+// Sequence numbers are kept per block (every launch of a kind has the same grid), so no block
+// waits for another one of its own launch: a block reads and advances its own counter.
 #pragma once
 #include <stdint.h>
 
 #define A2A_MAX_PEERS 16
-#define A2A_CHUNK_VECS 128  // 16-byte vectors per work item (2 KiB of a row), 4 per lane
+#define A2A_MAX_GRID 1024   // most blocks per launch (per-block sequence counters)
+#define A2A_CHUNK_VECS 128  // 16-byte vectors per receive / combine item (2 KiB), 4 per lane
+#define A2A_SEND_VPL 8      // 16-byte vectors per lane per step when sending a token (4 KiB)
 #define A2A_GROUP 4         // rows (combine) whose loads are issued together
+#define A2A_FLUSH 8         // combine items between two releases of their flags
+#define A2A_WARPS 16        // warps per block (THREADS = 512 in src/config.rs)
+
+#define A2A_NOT_MINE (-1)  // map: the slot did not come to this rank
+#define A2A_DROPPED (-2)   // map: the slot came here but its expert was full (row dropped)
 
 // Error words in the host block (each set to 1 when it happens; cleared by the host).
 #define A2A_ERR_TIMEOUT 0
 #define A2A_ERR_BAD_EXPERT 1
 #define A2A_ERR_BAD_NUM_TOKENS 2
 #define A2A_ERR_EXPERT_OVERFLOW 3
+#define A2A_ERR_CALL_ORDER 4
 
-// Kernel kinds (index into seq[] and done[]).
+// Kernel kinds (index into seq[]).
 #define A2A_DISPATCH_SEND 0
 #define A2A_DISPATCH_RECV 1
 #define A2A_COMBINE_SEND 2
@@ -42,12 +54,12 @@
 struct A2ACommon {
     uint64_t rank, world, num_experts, local_experts, topk, max_tokens, max_rows, hidden;
     uint64_t data_bytes, num_scales, rec_bytes, timeout_ns;
-    uint64_t state, host;
-    uint64_t off_dflag, off_dack, off_cwflag, off_cflag, off_dcnt, off_hdr, off_data, off_cw, off_cdata;
-    uint64_t st_seq, st_done, st_poison, st_my_tokens, st_recv_tokens, st_token_mask, st_map;
+    uint64_t state, host, send_grid;
+    uint64_t off_dcf, off_dcnt, off_dtf, off_hdr, off_data, off_cw, off_ctf, off_cdata;
+    uint64_t st_seq, st_poison, st_my_tokens, st_recv_tokens, st_token_mask, st_map;
     uint64_t peers[A2A_MAX_PEERS];  // base of every rank's shared region in this process (own too)
 };
-static_assert(sizeof(A2ACommon) == (30 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
+static_assert(sizeof(A2ACommon) == (29 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
 
 struct A2ADispatchSendArgs {
     A2ACommon c;
@@ -73,13 +85,21 @@ struct A2ACombineRecvArgs {
     uint64_t num_rows;         // rows of out (rows past the live count are zeroed)
 };
 
+// Both halves in one launch. `send_warps` of the A2A_WARPS warps of each block send while the
+// others receive from the start (streaming); A2A_WARPS: every warp sends, then receives.
+// `tma_smem`: when nonzero, the byte offset in dynamic shared memory of one record buffer per
+// sending warp (rec_bytes each), then one mbarrier per sending warp: tokens then move through
+// the bulk copy engine (global -> shared -> every destination) instead of registers.
 struct A2ADispatchArgs {
     A2ADispatchSendArgs send;
     A2ADispatchRecvArgs recv;
+    uint64_t send_warps;
+    uint64_t tma_smem;
 };
 struct A2ACombineArgs {
     A2ACombineSendArgs send;
     A2ACombineRecvArgs recv;
+    uint64_t send_warps;
 };
 
 namespace a2a {
@@ -96,16 +116,74 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
     return v;
 }
 
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Bulk copy engine (sm_90): global -> shared completing on an mbarrier, shared -> global in a
+// bulk group. Sizes and addresses are multiples of 16.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+    asm volatile(
+        "{\n\t"
+        ".reg .pred P;\n\t"
+        "WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n\t"
+        "@!P bra WAIT_%=;\n\t"
+        "}" ::"r"(smem_u32(bar)),
+        "r"(phase)
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(smem)),
+        "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_store(void* gmem, const void* smem, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem_u32(smem)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until every bulk store of this thread completed (written, not only read from shared
+// memory), then orders them with the generic proxy before a following release.
+__device__ __forceinline__ void tma_wait_writes() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+// Named barrier over `threads` threads (a multiple of 32) of this block.
+__device__ __forceinline__ void bar_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ uint8_t* shared_of(const A2ACommon& c, uint64_t r) {
@@ -121,18 +199,21 @@ __device__ __forceinline__ void set_error(const A2ACommon& c, int which) {
     err[which] = 1;
 }
 
-// Waits until the sequence number in the high half of *flag reached `want` (wrap-safe). Returns
-// the flag's value, or 0 when the wait timed out (or an earlier wait did: the object is then
-// poisoned and every later wait returns at once) after recording the error.
+__device__ __forceinline__ bool seq_reached(uint64_t v, uint32_t want) {
+    return (int32_t)((uint32_t)(v >> 32) - want) >= 0;
+}
+
+// Waits until the sequence number in the high half of *flag reached `want` (wrap-safe), with
+// acquire semantics at system scope for the calling thread (every lane of a warp that reads what
+// the flag guards calls it: one load per warp). Returns the flag's value, or 0 when the wait
+// timed out (or an earlier wait did: the object is then poisoned and every later wait returns at
+// once) after recording the error.
 __device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t* flag, uint32_t want) {
+    uint64_t v = ld_acquire_sys(flag);
+    if (seq_reached(v, want)) return v;
     volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
     uint64_t start = 0;
     for (uint32_t spin = 0;; ++spin) {
-        const uint64_t v = ld_relaxed_sys(flag);
-        if ((int32_t)((uint32_t)(v >> 32) - want) >= 0) {
-            fence_acq_rel_sys();  // acquire: what the flag's writer released is visible from here on
-            return v;
-        }
         if ((spin & 63) == 0) {
             if (*poison) return 0;
             const uint64_t now = global_timer_ns();
@@ -144,34 +225,59 @@ __device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t
                 return 0;
             }
         }
+        if (spin >= 256) __nanosleep(128);
+        v = ld_relaxed_sys(flag);
+        if (seq_reached(v, want)) return ld_acquire_sys(flag);
     }
 }
 
 __device__ __forceinline__ uint32_t lane_id() { return threadIdx.x & 31; }
 
-// The sequence number of this launch of kernel `kind` (read by every block at its start).
-__device__ __forceinline__ uint32_t next_seq(const A2ACommon& c, int kind) {
-    const volatile uint64_t* seq = reinterpret_cast<const volatile uint64_t*>(state_at(c, c.st_seq));
-    return (uint32_t)seq[kind] + 1;
+// Warp-collective wait: every lane with `active` waits until the sequence number in the high half
+// of its own word *p reached `want`, with acquire semantics; `v` gets the word (the low half is
+// the payload of self-flagged words). Returns false (every lane) when the wait timed out or the
+// object is poisoned. Lanes that do not wait get v = 0.
+__device__ __forceinline__ bool wait_words(const A2ACommon& c, const uint64_t* p, uint32_t want, bool active, uint64_t& v) {
+    v = active ? ld_acquire_sys(p) : 0;
+    bool ok = !active || seq_reached(v, want);
+    if (__all_sync(0xffffffffu, ok)) {
+        __syncwarp();  // orders every lane's acquire before any lane's later accesses
+        return true;
+    }
+    volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
+    uint64_t start = 0;
+    for (uint32_t spin = 0;; ++spin) {
+        if ((spin & 63) == 0) {
+            bool stop = *poison != 0;
+            const uint64_t now = global_timer_ns();
+            if (start == 0) {
+                start = now;
+            } else if (now - start > c.timeout_ns) {
+                if (lane_id() == 0) {
+                    *poison = 1;
+                    set_error(c, A2A_ERR_TIMEOUT);
+                }
+                stop = true;
+            }
+            if (__any_sync(0xffffffffu, stop)) return false;
+        }
+        if (spin >= 256) __nanosleep(128);
+        if (!ok) {
+            v = ld_relaxed_sys(p);
+            if (seq_reached(v, want)) {
+                v = ld_acquire_sys(p);
+                ok = true;
+            }
+        }
+        if (__all_sync(0xffffffffu, ok)) {
+            __syncwarp();
+            return true;
+        }
+    }
 }
 
-// Called by every thread of every block once its stores are issued. Returns true in exactly
-// one thread (thread 0 of the last block to finish), after every block's stores are visible
-// at system scope; that thread then raises the flags. It also advances seq[kind] and re-arms the
-// counter for the next launch. One fence per block: the barrier orders the block's stores before
-// thread 0's fence, which is cumulative (the cooperative-groups grid-sync pattern, at sys scope).
-__device__ __forceinline__ bool last_block_done(const A2ACommon& c, int kind, uint32_t n) {
-    __syncthreads();
-    if (threadIdx.x != 0) return false;
-    fence_acq_rel_sys();
-    unsigned int* done = reinterpret_cast<unsigned int*>(state_at(c, c.st_done)) + kind;
-    const unsigned int prev = atomicAdd(done, 1u);
-    if (prev != gridDim.x - 1) return false;
-    fence_acq_rel_sys();
-    *done = 0;
-    volatile uint64_t* seq = reinterpret_cast<volatile uint64_t*>(state_at(c, c.st_seq));
-    seq[kind] = n;
-    return true;
+__device__ __forceinline__ uint32_t* seq_slot(const A2ACommon& c, int kind) {
+    return reinterpret_cast<uint32_t*>(state_at(c, c.st_seq)) + kind * A2A_MAX_GRID + blockIdx.x;
 }
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }

@@ -1,94 +1,127 @@
 // Combine: the reverse of dispatch. Each rank first publishes its tokens' top-k weights to every
-// peer; each expert rank then sums, in fp32, the weighted outputs of its local experts for every
-// (source, token) it received and stores one bf16 partial row into the source's buffer (NVLink);
-// the source adds the partials of the ranks its token went to (fp32) and writes [T, hidden] bf16.
+// peer (each weight a self-flagged word); each expert rank then sums, in fp32, the weighted
+// outputs of its local experts for every (source, token) it received and stores one bf16 partial
+// per 2 KiB chunk into the source's buffer (NVLink), raising one flag per chunk; the source adds
+// the partials of the ranks its token went to (fp32) as their flags come up and writes
+// [T, hidden] bf16.
 #include "a2a_common.cuh"
 
 using namespace a2a;
 
-__device__ __forceinline__ void combine_send_body(const A2ACombineSendArgs& a) {
-    const A2ACommon& c = a.c;
+struct CombineCtx {
+    uint32_t n, my_T, max_T;
+};
+
+// Every thread of the block calls this. With the send half, blocks 0..W-1 then publish my weights to peer blockIdx.x: (seq << 32) | fp32 bits per word, so a peer
+// reads each weight as soon as it lands (no flag, no fence). Seeing seq n in a weight also tells
+// the peer that this rank finished its previous combine (it may overwrite my partials).
+__device__ __forceinline__ CombineCtx combine_prologue(const A2ACommon& c, const A2ACombineSendArgs* send, bool do_recv, uint32_t* s_T) {
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, me = (uint32_t)c.rank;
-    const uint32_t lane = lane_id();
-    __shared__ uint32_t s_n, s_T[A2A_MAX_PEERS], s_my_T;
+    __shared__ uint32_t s_n, s_my_T;
     if (threadIdx.x == 0) {
-        s_n = next_seq(c, A2A_COMBINE_SEND);
+        uint32_t* ss = seq_slot(c, A2A_COMBINE_SEND);
+        uint32_t* rs = seq_slot(c, A2A_COMBINE_RECV);
+        uint32_t n;
+        if (send) {
+            const uint32_t sn = *ss, rn = *rs;  // written only by this block in earlier launches
+            // The receive half of the previous combine must have run here before this send: the
+            // next weights are what tell peers they may overwrite my partials.
+            if (rn != sn && blockIdx.x == 0) set_error(c, A2A_ERR_CALL_ORDER);
+            n = sn + 1;
+            *ss = n;
+            if (do_recv) *rs = n;
+        } else {
+            n = *rs + 1;
+            *rs = n;
+        }
+        s_n = n;
         s_my_T = *reinterpret_cast<const volatile uint32_t*>(state_at(c, c.st_my_tokens));
     }
     if (threadIdx.x < W) {
         s_T[threadIdx.x] = reinterpret_cast<const volatile uint32_t*>(state_at(c, c.st_recv_tokens))[threadIdx.x];
     }
     __syncthreads();
-    const uint32_t n = s_n;
+    CombineCtx x;
+    x.n = s_n;
+    x.my_T = s_my_T;
+    x.max_T = 0;
+    for (uint32_t s = 0; s < W; ++s) x.max_T = max(x.max_T, s_T[s]);
 
-    // Blocks 0..W-1 publish my weights to peer blockIdx.x first (they never wait before that,
-    // so the peers' waits below always make progress).
-    if (blockIdx.x < W) {
+    if (send && blockIdx.x < W) {
+        const A2ACombineSendArgs& a = *send;
         const uint32_t d = blockIdx.x;
-        float* dst = reinterpret_cast<float*>(shared_of(c, d) + c.off_cw) + (uint64_t)me * c.max_tokens * K;
+        uint64_t* dst = reinterpret_cast<uint64_t*>(shared_of(c, d) + c.off_cw) + (uint64_t)me * c.max_tokens * K;
         const float* w = reinterpret_cast<const float*>(a.weights);
-        const uint32_t total = s_my_T * K;
-        for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
-            const uint32_t t = i / K, j = i % K;
-            dst[i] = __ldg(w + (uint64_t)t * a.weights_stride + j);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            fence_acq_rel_sys();
-            uint64_t* flag = reinterpret_cast<uint64_t*>(shared_of(c, d) + c.off_cwflag) + me;
-            st_release_sys(flag, (uint64_t)n << 32);
+        const uint32_t total = x.my_T * K;
+        const uint64_t tag = (uint64_t)x.n << 32;
+        const bool flat = a.weights_stride == K;
+        for (uint32_t i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+            float v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t i = i0 + u * blockDim.x;
+                if (i < total) v[u] = __ldg(flat ? w + i : w + (uint64_t)(i / K) * a.weights_stride + i % K);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t i = i0 + u * blockDim.x;
+                if (i < total) st_relaxed_sys(dst + i, tag | __float_as_uint(v[u]));
+            }
         }
     }
+    return x;
+}
 
+// Releases the flags of the partials this warp stored since the last flush (lane p holds the
+// address of the p-th): the barrier orders every lane's stores before the (cumulative) release.
+__device__ __forceinline__ void flush_flags(uint64_t* pend, uint32_t& npend, uint32_t n) {
+    __syncwarp();
+    if (lane_id() < npend) st_release_sys(pend, (uint64_t)n << 32);
+    npend = 0;
+}
+
+// Send warp `wi` of `nw` per block: items (token, chunk, source), source innermost (every peer's
+// NVLink busy at once), token outermost (the order the sources consume them in).
+__device__ __forceinline__ void combine_send_items(const A2ACombineSendArgs& a, const CombineCtx& x, const uint32_t* s_T, uint32_t wi, uint32_t nw) {
+    const A2ACommon& c = a.c;
+    const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, me = (uint32_t)c.rank;
+    const uint32_t lane = lane_id(), n = x.n;
     const uint32_t nvec = (uint32_t)(c.hidden * 2 / 16);
-    const uint32_t nchunks = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
-    // Items (token, chunk, source) with the source innermost: at any moment the warps write to
-    // every peer at once (source-major order would drain the NVLink of one peer at a time).
-    uint32_t max_T = 0;
-    for (uint32_t s = 0; s < W; ++s) max_T = max(max_T, s_T[s]);
-    const uint32_t items = max_T * nchunks * W;
-    const uint32_t gwarp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const uint32_t gwarps = gridDim.x * (blockDim.x / 32);
+    const uint32_t nch = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
+    const uint32_t items = x.max_T * nch * W;  // < 2^31 (Config::validate)
+    const uint32_t gw = blockIdx.x * nw + wi, gws = gridDim.x * nw;
     const int* map = reinterpret_cast<const int*>(state_at(c, c.st_map));
     const uint8_t* mine = shared_of(c, me);
-    uint32_t seen = 0;  // sources whose weights this warp has waited for
-    for (uint32_t it = gwarp; it < items; it += gwarps) {
+    const uint64_t* cw = reinterpret_cast<const uint64_t*>(mine + c.off_cw);
+    uint64_t* pend = nullptr;
+    uint32_t npend = 0;
+    for (uint32_t it = gw; it < items; it += gws) {
         const uint32_t s = it % W, rest = it / W;
-        const uint32_t t = rest / nchunks, ch = rest % nchunks;
+        const uint32_t ch = rest % nch, t = rest / nch;
         if (t >= s_T[s]) continue;
         const uint64_t slot = (uint64_t)s * c.max_tokens + t;
-        const int row = lane < K ? map[slot * K + lane] : -1;
+        const int row = lane < K ? map[slot * K + lane] : A2A_NOT_MINE;
+        // A token that came here gets a partial (zeros if all its rows were dropped): its source
+        // waits for one from every rank it sent the token to.
+        if (!__any_sync(0xffffffffu, row != A2A_NOT_MINE)) continue;
         const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
-        if (m == 0) continue;
-        if (!(seen & (1u << s))) {
-            // Every lane acquires (same word): the weights read below are ordered after it.
-            wait_flag(c, reinterpret_cast<const uint64_t*>(mine + c.off_cwflag) + s, n);
-            seen |= 1u << s;
-        }
-        float w = 0.f;
-        if (row >= 0) w = __ldcg(reinterpret_cast<const float*>(mine + c.off_cw) + slot * K + lane);
-        float acc[A2A_CHUNK_VECS / 32][8];
-#pragma unroll
-        for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u)
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
         const uint32_t v0 = ch * A2A_CHUNK_VECS, v1 = min(v0 + A2A_CHUNK_VECS, nvec);
         // Rows in groups of A2A_GROUP: every load of a group is in flight before the first FMA.
-        for (unsigned rem = m; rem;) {
-            int rr[A2A_GROUP];
-            float ww[A2A_GROUP];
+        // The first group's loads are issued before waiting for the source's weights.
+        unsigned rem = m;
+        int rr[A2A_GROUP], jj[A2A_GROUP];
+        int4 v[A2A_GROUP][A2A_CHUNK_VECS / 32];
+        auto load_group = [&]() {
 #pragma unroll
             for (int g = 0; g < A2A_GROUP; ++g) {
                 rr[g] = -1;
-                ww[g] = 0.f;
+                jj[g] = 0;
                 if (rem) {  // warp-uniform
-                    const int j = __ffs(rem) - 1;
+                    jj[g] = __ffs(rem) - 1;
                     rem &= rem - 1;
-                    rr[g] = __shfl_sync(0xffffffffu, row, j);
-                    ww[g] = __shfl_sync(0xffffffffu, w, j);
+                    rr[g] = __shfl_sync(0xffffffffu, row, jj[g]);
                 }
             }
-            int4 v[A2A_GROUP][A2A_CHUNK_VECS / 32];
 #pragma unroll
             for (int g = 0; g < A2A_GROUP; ++g) {
                 if (rr[g] < 0) continue;
@@ -99,69 +132,76 @@ __device__ __forceinline__ void combine_send_body(const A2ACombineSendArgs& a) {
                     if (k < v1) v[g][u] = __ldg(src + k);
                 }
             }
+        };
+        load_group();
+        // The weights of the slots that came here (also what orders my stores into the source's
+        // partials after its previous combine: every routed slot's word is waited for).
+        uint64_t word;
+        if (!wait_words(c, cw + slot * K + lane, n, row != A2A_NOT_MINE, word)) continue;  // timed out
+        const float w = row >= 0 ? __uint_as_float((uint32_t)word) : 0.f;
+        float acc[A2A_CHUNK_VECS / 32][8];
+#pragma unroll
+        for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+        for (;;) {
 #pragma unroll
             for (int g = 0; g < A2A_GROUP; ++g) {
+                const float wg = __shfl_sync(0xffffffffu, w, jj[g]);
                 if (rr[g] < 0) continue;
 #pragma unroll
                 for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
                     const uint32_t k = v0 + lane + u * 32;
-                    if (k < v1) fma_bf16x8(acc[u], v[g][u], ww[g]);
+                    if (k < v1) fma_bf16x8(acc[u], v[g][u], wg);
                 }
             }
+            if (!rem) break;
+            load_group();
         }
-        int4* dst = reinterpret_cast<int4*>(shared_of(c, s) + c.off_cdata + ((uint64_t)me * c.max_tokens + t) * c.hidden * 2);
+        const uint64_t my_slot = (uint64_t)me * c.max_tokens + t;
+        uint8_t* peer = shared_of(c, s);
+        int4* dst = reinterpret_cast<int4*>(peer + c.off_cdata + my_slot * c.hidden * 2);
 #pragma unroll
         for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
             const uint32_t k = v0 + lane + u * 32;
             if (k < v1) dst[k] = pack_bf16x8(acc[u]);
         }
+        if (lane == npend) pend = reinterpret_cast<uint64_t*>(peer + c.off_ctf) + my_slot * nch + ch;
+        if (++npend == A2A_FLUSH) flush_flags(pend, npend, n);
     }
-
-    if (last_block_done(c, A2A_COMBINE_SEND, n)) {
-        for (uint32_t s = 0; s < W; ++s) {
-            uint64_t* flag = reinterpret_cast<uint64_t*>(shared_of(c, s) + c.off_cflag) + me;
-            st_release_sys(flag, (uint64_t)n << 32);
-        }
-    }
+    flush_flags(pend, npend, n);
 }
 
-__device__ __forceinline__ void combine_recv_body(const A2ACombineRecvArgs& a) {
+// Receive warp `wi` of `nw` per block: items (token, chunk); each adds the partials of the ranks
+// the token went to as their flags come up. Rows past the live token count are zeroed.
+__device__ __forceinline__ void combine_recv_items(const A2ACombineRecvArgs& a, const CombineCtx& x, uint32_t wi, uint32_t nw) {
     const A2ACommon& c = a.c;
-    const uint32_t W = (uint32_t)c.world;
-    const uint32_t lane = lane_id();
-    __shared__ uint32_t s_n, s_T;
-    __shared__ uint32_t s_ok[A2A_MAX_PEERS];
-    const uint8_t* mine = shared_of(c, c.rank);
-    if (threadIdx.x == 0) {
-        s_n = next_seq(c, A2A_COMBINE_RECV);
-        s_T = min(*reinterpret_cast<const volatile uint32_t*>(state_at(c, c.st_my_tokens)), (uint32_t)a.num_rows);
-    }
-    __syncthreads();
-    const uint32_t n = s_n, T = s_T;
-    if (threadIdx.x < W) {
-        s_ok[threadIdx.x] = wait_flag(c, reinterpret_cast<const uint64_t*>(mine + c.off_cflag) + threadIdx.x, n) != 0;
-    }
-    __syncthreads();
-    uint32_t ok = 0;
-    for (uint32_t d = 0; d < W; ++d) ok |= s_ok[d] << d;
-
+    const uint32_t lane = lane_id(), n = x.n;
+    const uint32_t T = min(x.my_T, (uint32_t)a.num_rows);
     const uint32_t nvec = (uint32_t)(c.hidden * 2 / 16);
-    const uint32_t nchunks = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
-    const uint32_t items = (uint32_t)a.num_rows * nchunks;
-    const uint32_t gwarp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const uint32_t gwarps = gridDim.x * (blockDim.x / 32);
+    const uint32_t nch = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
+    const uint32_t items = (uint32_t)a.num_rows * nch;  // < 2^31 (Config::validate)
+    const uint32_t gw = blockIdx.x * nw + wi, gws = gridDim.x * nw;
+    const uint8_t* mine = shared_of(c, c.rank);
+    const uint64_t* ctf = reinterpret_cast<const uint64_t*>(mine + c.off_ctf);
     const uint32_t* token_mask = reinterpret_cast<const uint32_t*>(state_at(c, c.st_token_mask));
-    for (uint32_t it = gwarp; it < items; it += gwarps) {
-        const uint32_t t = it / nchunks, ch = it % nchunks;
-        const uint32_t mask = t < T ? (token_mask[t] & ok) : 0u;
+    for (uint32_t it = gw; it < items; it += gws) {
+        const uint32_t t = it / nch, ch = it % nch;
+        const uint32_t mask = t < T ? token_mask[t] : 0u;
         float acc[A2A_CHUNK_VECS / 32][8];
 #pragma unroll
         for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u)
 #pragma unroll
             for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
         const uint32_t v0 = ch * A2A_CHUNK_VECS, v1 = min(v0 + A2A_CHUNK_VECS, nvec);
+        // Lane d < W waits for rank d's partial (if the token went there): one round trip for all.
+        uint64_t flag;
+        const bool mine_d = lane < c.world && ((mask >> lane) & 1u);
+        const uint32_t got = wait_words(c, ctf + ((uint64_t)lane * c.max_tokens + t) * nch + ch, n, mine_d, flag)
+                                 ? mask
+                                 : 0u;  // timed out (reported)
         // Partials in groups of A2A_GROUP ranks, every load of a group in flight before the adds.
-        for (uint32_t rem = mask; rem;) {
+        for (uint32_t rem = got; rem;) {
             int dd[A2A_GROUP];
 #pragma unroll
             for (int g = 0; g < A2A_GROUP; ++g) {
@@ -175,7 +215,8 @@ __device__ __forceinline__ void combine_recv_body(const A2ACombineRecvArgs& a) {
 #pragma unroll
             for (int g = 0; g < A2A_GROUP; ++g) {
                 if (dd[g] < 0) continue;
-                const int4* src = reinterpret_cast<const int4*>(mine + c.off_cdata + ((uint64_t)dd[g] * c.max_tokens + t) * c.hidden * 2);
+                const uint64_t slot = (uint64_t)dd[g] * c.max_tokens + t;
+                const int4* src = reinterpret_cast<const int4*>(mine + c.off_cdata + slot * c.hidden * 2);
 #pragma unroll
                 for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
                     const uint32_t k = v0 + lane + u * 32;
@@ -199,20 +240,33 @@ __device__ __forceinline__ void combine_recv_body(const A2ACombineRecvArgs& a) {
             if (k < v1) out[k] = pack_bf16x8(acc[u]);
         }
     }
-
-    last_block_done(c, A2A_COMBINE_RECV, n);
 }
 
 extern "C" __global__ void __launch_bounds__(512) a2a_combine_send(const A2ACombineSendArgs a) {
-    combine_send_body(a);
+    __shared__ uint32_t s_T[A2A_MAX_PEERS];
+    const CombineCtx x = combine_prologue(a.c, &a, false, s_T);
+    combine_send_items(a, x, s_T, threadIdx.x / 32, A2A_WARPS);
 }
 
 extern "C" __global__ void __launch_bounds__(512) a2a_combine_recv(const A2ACombineRecvArgs a) {
-    combine_recv_body(a);
+    __shared__ uint32_t s_T[A2A_MAX_PEERS];
+    const CombineCtx x = combine_prologue(a.c, nullptr, true, s_T);
+    combine_recv_items(a, x, threadIdx.x / 32, A2A_WARPS);
 }
 
-// Both halves in one launch (see a2a_dispatch).
+// Both halves in one launch (see a2a_dispatch): with send_warps < A2A_WARPS the other warps
+// add partials as they arrive while the sending warps still compute and store.
 extern "C" __global__ void __launch_bounds__(512) a2a_combine(const A2ACombineArgs a) {
-    combine_send_body(a.send);
-    combine_recv_body(a.recv);
+    __shared__ uint32_t s_T[A2A_MAX_PEERS];
+    const CombineCtx x = combine_prologue(a.send.c, &a.send, true, s_T);
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t S = (uint32_t)a.send_warps;
+    if (S == 0 || S >= A2A_WARPS) {
+        combine_send_items(a.send, x, s_T, warp, A2A_WARPS);
+        combine_recv_items(a.recv, x, warp, A2A_WARPS);
+    } else if (warp < S) {
+        combine_send_items(a.send, x, s_T, warp, S);
+    } else {
+        combine_recv_items(a.recv, x, warp - S, A2A_WARPS - S);
+    }
 }

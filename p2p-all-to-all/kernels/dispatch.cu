@@ -1,26 +1,128 @@
 // Dispatch: every token goes once to every rank hosting one of its top-k experts (NVLink stores
-// into that rank's receive buffer), then the receiver lays the rows out expert-major.
+// into that rank's receive buffer, one flag per token), and the receiver lays the rows out
+// expert-major as soon as each token's flag is raised (no grid-wide barrier on either side).
 #include "a2a_common.cuh"
 
 using namespace a2a;
 
-// Dynamic shared memory: hist[E] i32 (all tokens), base[E] i32 (tokens before this block's
-// chunk, then running), pos[chunk * K] i32 (row of each (token, slot) among the rows this rank
-// sends to the slot's expert, in (token, slot) order).
-__device__ __forceinline__ void dispatch_send_body(const A2ADispatchSendArgs& a) {
+// The parity-indexed dispatch arrays of rank r's shared region.
+struct DispatchArrays {
+    uint64_t* dcf;  // [W]
+    int* dcnt;      // [W][L]
+    uint64_t* dtf;  // [W][Tmax]
+    int2* hdr;      // [W][Tmax][K]
+    uint8_t* data;  // [W][Tmax][rec]
+};
+
+__device__ __forceinline__ DispatchArrays dispatch_arrays(const A2ACommon& c, uint32_t r, uint32_t par) {
+    const uint64_t W = c.world, T = c.max_tokens;
+    uint8_t* base = shared_of(c, r);
+    DispatchArrays d;
+    d.dcf = reinterpret_cast<uint64_t*>(base + c.off_dcf) + par * W;
+    d.dcnt = reinterpret_cast<int*>(base + c.off_dcnt) + par * W * c.local_experts;
+    d.dtf = reinterpret_cast<uint64_t*>(base + c.off_dtf) + par * W * T;
+    d.hdr = reinterpret_cast<int2*>(base + c.off_hdr) + par * W * T * c.topk;
+    d.data = base + c.off_data + par * W * T * c.rec_bytes;
+    return d;
+}
+
+// Adds the experts of flat entries [0, lim) of idx (entry i: token i / K, slot i % K) to arr
+// (shared counters): 16-byte loads, four per thread in flight, when rows are contiguous.
+__device__ __forceinline__ void count_experts(const A2ADispatchSendArgs& a, uint32_t lim, int* arr) {
+    const uint32_t K = (uint32_t)a.c.topk;
+    const int64_t E = (int64_t)a.c.num_experts;
+    bool bad = false;
+    auto count = [&](int64_t e) {
+        if (e >= 0 && e < E) {
+            atomicAdd(&arr[e], 1);
+        } else if (e != -1) {
+            bad = true;
+        }
+    };
+    uint32_t done = 0;
+    if (a.idx_stride == K && (a.idx & 15) == 0) {
+        const uint32_t per = a.idx_is_64 ? 2 : 4;  // entries per 16 bytes
+        const uint32_t nv = lim / per;
+        const int4* v4 = reinterpret_cast<const int4*>(a.idx);
+        for (uint32_t v0 = threadIdx.x; v0 < nv; v0 += 4 * blockDim.x) {
+            int4 q[4];  // entries past the end read as -1 (no expert)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t v = v0 + u * blockDim.x;
+                q[u] = v < nv ? __ldg(v4 + v) : make_int4(-1, -1, -1, -1);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (a.idx_is_64) {
+                    count((int64_t)(((uint64_t)(uint32_t)q[u].y << 32) | (uint32_t)q[u].x));
+                    count((int64_t)(((uint64_t)(uint32_t)q[u].w << 32) | (uint32_t)q[u].z));
+                } else {
+                    count(q[u].x);
+                    count(q[u].y);
+                    count(q[u].z);
+                    count(q[u].w);
+                }
+            }
+        }
+        done = nv * per;
+    }
+    for (uint32_t i = done + threadIdx.x; i < lim; i += blockDim.x) {
+        const int e = load_expert(a, i / K, i % K, bad);
+        if (e >= 0) atomicAdd(&arr[e], 1);
+    }
+    if (bad) set_error(a.c, A2A_ERR_BAD_EXPERT);
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+struct SendCtx {
+    uint32_t n, T, cs, ce;
+    const int* pos;  // [ce - cs][K] shared: row of each (token, slot) among my rows of its expert
+};
+
+// Dynamic shared memory: base[E] i32 (rows of each expert before this block's tokens), hist[E]
+// i32 (block 0: all rows, published as counts), pos[chunk * K] i32.
+//
+// Every thread of the block calls this; it ends with a block barrier. Block 0 publishes the
+// per-expert counts (and the token count) to every rank before any token is sent.
+__device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendArgs& a, bool fused) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, E = (uint32_t)c.num_experts, K = (uint32_t)c.topk;
     const uint32_t L = (uint32_t)c.local_experts, me = (uint32_t)c.rank;
-    const uint32_t lane = lane_id(), warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    extern __shared__ int smem[];
-    int* hist = smem;
-    int* base = smem + E;
+    const uint32_t lane = lane_id(), warp = threadIdx.x / 32;
+    extern __shared__ __align__(128) int smem[];
+    int* base = smem;
+    int* hist = smem + E;
     int* pos = smem + 2 * E;
     __shared__ uint32_t s_n, s_T;
-    __shared__ int s_bad;
+
+    // Pull this block's first token (by the rows of x) into L2 while the prologue runs.
+    {
+        const uint32_t rows = (uint32_t)a.num_tokens, ch_h = (rows + gridDim.x - 1) / gridDim.x;
+        const uint32_t t0 = blockIdx.x * ch_h;
+        if (t0 < rows) {
+            const uint8_t* xr = reinterpret_cast<const uint8_t*>(a.x + (uint64_t)t0 * a.x_stride);
+            for (uint32_t off = threadIdx.x * 128; off < c.data_bytes; off += blockDim.x * 128) prefetch_l2(xr + off);
+            const uint32_t soff = (threadIdx.x - (blockDim.x - 2)) * 128;  // last two threads: scales
+            if (a.scales && threadIdx.x >= blockDim.x - 2 && soff < c.num_scales * 4) {
+                prefetch_l2(reinterpret_cast<const uint8_t*>(a.scales + (uint64_t)t0 * a.scales_stride) + soff);
+            }
+        }
+    }
 
     if (threadIdx.x == 0) {
-        s_n = next_seq(c, A2A_DISPATCH_SEND);
+        uint32_t* ss = seq_slot(c, A2A_DISPATCH_SEND);
+        uint32_t* rs = seq_slot(c, A2A_DISPATCH_RECV);
+        const uint32_t sn = *ss, rn = *rs;  // written only by this block in earlier launches
+        // The receive half of the previous dispatch must have run on this rank before this send:
+        // the parity buffers rely on it (see the header of a2a_common.cuh).
+        if (rn != sn && blockIdx.x == 0) set_error(c, A2A_ERR_CALL_ORDER);
+        const uint32_t n = sn + 1;
+        *ss = n;
+        if (fused) *rs = n;
+        s_n = n;
         uint32_t T = (uint32_t)a.num_tokens;
         if (a.num_tokens_ptr) {
             const int live = *reinterpret_cast<const volatile int*>(a.num_tokens_ptr);
@@ -31,48 +133,24 @@ __device__ __forceinline__ void dispatch_send_body(const A2ADispatchSendArgs& a)
             }
         }
         s_T = T;
-        s_bad = 0;
-        if (blockIdx.x == 0) {
-            *reinterpret_cast<uint32_t*>(state_at(c, c.st_my_tokens)) = T;
-        }
+        if (blockIdx.x == 0) *reinterpret_cast<uint32_t*>(state_at(c, c.st_my_tokens)) = T;
     }
-    for (uint32_t i = threadIdx.x; i < E; i += blockDim.x) {
-        hist[i] = 0;
-        base[i] = 0;
-    }
+    for (uint32_t i = threadIdx.x; i < 2 * E; i += blockDim.x) smem[i] = 0;
     __syncthreads();
-    const uint32_t n = s_n, T = s_T;
-    // The previous dispatch's data in each destination must have been consumed.
-    if (threadIdx.x < W && n > 1) {
-        const uint64_t* ack = reinterpret_cast<const uint64_t*>(shared_of(c, me) + c.off_dack) + threadIdx.x;
-        wait_flag(c, ack, n - 1);
-    }
-
-    // Histogram of every (token, slot) per expert, and of those before this block's chunk.
+    const uint32_t n = s_n, T = s_T, par = n & 1;
     const uint32_t chunk = (T + gridDim.x - 1) / gridDim.x;
     const uint32_t cs = min(blockIdx.x * chunk, T), ce = min(cs + chunk, T);
-    const uint32_t total = T * K, before = cs * K;
-    bool bad = false;
-    for (uint32_t w0 = warp * 32; w0 < total; w0 += blockDim.x) {
-        const uint32_t i = w0 + lane;
-        const int e = i < total ? load_expert(a, i / K, i % K, bad) : -1;
-        const unsigned peers = __match_any_sync(0xffffffffu, e);
-        const bool leader = (__ffs(peers) - 1) == (int)lane;
-        if (e >= 0 && leader) atomicAdd(&hist[e], __popc(peers));
-        const int eb = i < before ? e : -1;
-        const unsigned peers_b = __match_any_sync(0xffffffffu, eb);
-        if (eb >= 0 && (__ffs(peers_b) - 1) == (int)lane) atomicAdd(&base[eb], __popc(peers_b));
-    }
-    if (bad) s_bad = 1;
-    __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x == 0 && s_bad) set_error(c, A2A_ERR_BAD_EXPERT);
 
-    // Block 0 publishes the counts: to every destination its experts' rows, to the host block all.
+    // Histogram: block 0 of every (token, slot) (the counts it publishes), the other blocks of
+    // those before their chunk (the base of their positions).
+    count_experts(a, blockIdx.x == 0 ? T * K : (cs < ce ? cs * K : 0), blockIdx.x == 0 ? hist : base);
+    __syncthreads();
+
     if (blockIdx.x == 0) {
+        // Counts to every destination (its experts' rows from me), then its count flag.
         for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
             const uint32_t d = e / L, el = e % L;
-            int* dcnt = reinterpret_cast<int*>(shared_of(c, d) + c.off_dcnt);
-            dcnt[me * L + el] = hist[e];
+            dispatch_arrays(c, d, par).dcnt[me * L + el] = hist[e];
             if (a.publish_host_counts) {
                 reinterpret_cast<volatile uint32_t*>(c.host + 128)[e] = (uint32_t)hist[e];
             }
@@ -80,11 +158,16 @@ __device__ __forceinline__ void dispatch_send_body(const A2ADispatchSendArgs& a)
         if (a.publish_host_counts && threadIdx.x == 0) {
             reinterpret_cast<volatile uint64_t*>(c.host + 64)[0] = n;
         }
+        __syncthreads();
+        // Release (cumulative through the barrier): the counts above are visible before the flag.
+        if (threadIdx.x < W) {
+            st_release_sys(dispatch_arrays(c, threadIdx.x, par).dcf + me, ((uint64_t)n << 32) | T);
+        }
     }
 
-    // Positions of this chunk's (token, slot)s, in order: warp 0, 32 entries at a time.
+    // Positions of this chunk's (token, slot)s in (token, slot) order: one warp, 32 at a time.
     if (warp == 0) {
-        const uint32_t end = ce * K;
+        const uint32_t before = cs * K, end = ce * K;
         for (uint32_t w0 = before; w0 < end; w0 += 32) {
             const uint32_t i = w0 + lane;
             bool ignored = false;
@@ -99,106 +182,189 @@ __device__ __forceinline__ void dispatch_send_body(const A2ADispatchSendArgs& a)
         }
     }
     __syncthreads();
+    SendCtx x;
+    x.n = n;
+    x.T = T;
+    x.cs = cs;
+    x.ce = ce;
+    x.pos = pos;
+    return x;
+}
 
-    // Copy: one warp per (token, 2 KiB chunk of the row): load the chunk once, store it to every
-    // destination rank of the token.
-    const uint32_t nvec = (uint32_t)(c.data_bytes / 16);
-    const uint32_t nchunks = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
-    const uint32_t items = (ce - cs) * nchunks;
-    uint32_t* token_mask = reinterpret_cast<uint32_t*>(state_at(c, c.st_token_mask));
-    for (uint32_t it = warp; it < items; it += nwarps) {
-        const uint32_t t = cs + it / nchunks;
-        const uint32_t ch = it % nchunks;
-        int e = -1, p = -1;
-        if (lane < K) {
-            bool ignored = false;
-            e = load_expert(a, t, lane, ignored);
-            p = pos[(t - cs) * K + lane];
-        }
-        const uint32_t dmask = __reduce_or_sync(0xffffffffu, e >= 0 ? (1u << ((uint32_t)e / L)) : 0u);
-        const uint64_t slot = (uint64_t)me * c.max_tokens + t;
-        if (ch == 0) {
-            // A header for every destination (all -1 where the token does not go).
-            for (uint32_t d = 0; d < W; ++d) {
-                int2* hdr = reinterpret_cast<int2*>(shared_of(c, d) + c.off_hdr) + slot * K;
-                const bool mine = e >= 0 && (uint32_t)e / L == d;
-                if (lane < K) hdr[lane] = mine ? make_int2(e % (int)L, p) : make_int2(-1, -1);
+// Bulk-copy state of one sending warp: a record buffer in shared memory and its mbarrier.
+struct TmaSlot {
+    uint8_t* buf;   // nullptr: move tokens through registers
+    uint64_t* bar;
+    uint32_t phase;
+};
+
+// One warp sends token t: its values and scales to every rank hosting one of its experts, the
+// header of each slot to the slot's rank, then (release) the token's flag to every rank, carrying
+// the slots that are that rank's (0: not for it). With a TmaSlot buffer, lane 0 loads the record
+// into shared memory with the bulk copy engine and stores it from there to every destination.
+__device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_t n, uint32_t t, const int* pos_t, TmaSlot& tma) {
+    const A2ACommon& c = a.c;
+    const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, L = (uint32_t)c.local_experts;
+    const uint32_t me = (uint32_t)c.rank, lane = lane_id(), par = n & 1;
+    int e = -1, p = -1;
+    if (lane < K) {
+        bool ignored = false;
+        e = load_expert(a, t, lane, ignored);
+        p = pos_t[lane];
+    }
+    const int dst = e >= 0 ? e / (int)L : -1;
+    const uint32_t dmask = __reduce_or_sync(0xffffffffu, dst >= 0 ? 1u << dst : 0u);
+    uint32_t my_slots = 0;  // lane d < W: the slots of t that go to rank d
+    for (uint32_t d = 0; d < W; ++d) {
+        const uint32_t m = __ballot_sync(0xffffffffu, dst == (int)d);
+        if (lane == d) my_slots = m;
+    }
+    if (lane == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_token_mask))[t] = dmask;
+
+    const uint64_t slot = (uint64_t)me * c.max_tokens + t;
+    const uint64_t par_data = (uint64_t)par * c.world * c.max_tokens * c.rec_bytes;
+    const uint64_t rec_off = c.off_data + par_data + slot * c.rec_bytes;
+    if (dmask && tma.buf) {
+        // The host enables this path only when the scales (if any) are 16-byte rows.
+        const uint32_t dbytes = (uint32_t)c.data_bytes, sbytes = (uint32_t)c.num_scales * 4;
+        if (lane == 0) {
+            mbar_arrive_expect_tx(tma.bar, dbytes + sbytes);
+            tma_load(tma.buf, reinterpret_cast<const void*>(a.x + (uint64_t)t * a.x_stride), dbytes, tma.bar);
+            if (sbytes) {
+                tma_load(tma.buf + dbytes, reinterpret_cast<const void*>(a.scales + (uint64_t)t * a.scales_stride), sbytes,
+                         tma.bar);
             }
-            if (lane == 0) token_mask[t] = dmask;
         }
-        if (dmask == 0) continue;
+        mbar_wait(tma.bar, tma.phase);
+        tma.phase ^= 1;
+        if (lane == 0) {
+            for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+                const uint32_t d = __ffs(rem) - 1;
+                tma_store(shared_of(c, d) + rec_off, tma.buf, dbytes + sbytes);
+            }
+            tma_commit();
+        }
+        if (dst >= 0) {
+            dispatch_arrays(c, dst, par).hdr[slot * K + lane] = make_int2(e % (int)L, p);
+        }
+        if (lane == 0) tma_wait_writes();  // also frees the buffer for the next token
+    } else if (dmask) {
         const int4* src = reinterpret_cast<const int4*>(a.x + (uint64_t)t * a.x_stride);
-        const uint32_t v0 = ch * A2A_CHUNK_VECS, v1 = min(v0 + A2A_CHUNK_VECS, nvec);
-        int4 v[A2A_CHUNK_VECS / 32];
+        const uint32_t nvec = (uint32_t)(c.data_bytes / 16);
+        for (uint32_t v0 = 0; v0 < nvec; v0 += 32 * A2A_SEND_VPL) {
+            int4 v[A2A_SEND_VPL];
 #pragma unroll
-        for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
-            const uint32_t k = v0 + lane + u * 32;
-            if (k < v1) v[u] = __ldg(src + k);
-        }
-        for (uint32_t rem = dmask; rem; rem &= rem - 1) {
-            const uint32_t d = __ffs(rem) - 1;
-            int4* out = reinterpret_cast<int4*>(shared_of(c, d) + c.off_data + slot * c.rec_bytes);
-#pragma unroll
-            for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
-                const uint32_t k = v0 + lane + u * 32;
-                if (k < v1) out[k] = v[u];
+            for (int u = 0; u < A2A_SEND_VPL; ++u) {
+                const uint32_t k = v0 + u * 32 + lane;
+                if (k < nvec) v[u] = __ldg(src + k);
             }
-        }
-        if (ch == 0 && c.num_scales) {
-            const float* sc = reinterpret_cast<const float*>(a.scales + (uint64_t)t * a.scales_stride);
-            for (uint32_t q = lane; q < c.num_scales; q += 32) {
-                const float val = __ldg(sc + q);
-                for (uint32_t rem = dmask; rem; rem &= rem - 1) {
-                    const uint32_t d = __ffs(rem) - 1;
-                    float* so = reinterpret_cast<float*>(shared_of(c, d) + c.off_data + slot * c.rec_bytes + c.data_bytes);
-                    so[q] = val;
+            for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+                const uint32_t d = __ffs(rem) - 1;
+                int4* out = reinterpret_cast<int4*>(shared_of(c, d) + rec_off);
+#pragma unroll
+                for (int u = 0; u < A2A_SEND_VPL; ++u) {
+                    const uint32_t k = v0 + u * 32 + lane;
+                    if (k < nvec) out[k] = v[u];
                 }
             }
         }
-    }
-
-    if (last_block_done(c, A2A_DISPATCH_SEND, n)) {
-        for (uint32_t d = 0; d < W; ++d) {
-            uint64_t* flag = reinterpret_cast<uint64_t*>(shared_of(c, d) + c.off_dflag) + me;
-            st_release_sys(flag, ((uint64_t)n << 32) | T);
+        const uint32_t S = (uint32_t)c.num_scales;
+        if (S) {
+            const uint8_t* sc = reinterpret_cast<const uint8_t*>(a.scales + (uint64_t)t * a.scales_stride);
+            if (((a.scales | a.scales_stride) & 15) == 0 && (S & 3) == 0) {
+                for (uint32_t q = lane; q < S / 4; q += 32) {
+                    const int4 val = __ldg(reinterpret_cast<const int4*>(sc) + q);
+                    for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+                        const uint32_t d = __ffs(rem) - 1;
+                        reinterpret_cast<int4*>(shared_of(c, d) + rec_off + c.data_bytes)[q] = val;
+                    }
+                }
+            } else {
+                for (uint32_t q = lane; q < S; q += 32) {
+                    const float val = __ldg(reinterpret_cast<const float*>(sc) + q);
+                    for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+                        const uint32_t d = __ffs(rem) - 1;
+                        reinterpret_cast<float*>(shared_of(c, d) + rec_off + c.data_bytes)[q] = val;
+                    }
+                }
+            }
         }
+        if (dst >= 0) {
+            dispatch_arrays(c, dst, par).hdr[slot * K + lane] = make_int2(e % (int)L, p);
+        }
+    }
+    // Every lane's stores above are ordered before the release by the barrier; the release is
+    // cumulative, so each rank sees the token's values, scales and headers before its flag.
+    __syncwarp();
+    if (dmask && tma.buf) {
+        // Lane 0 saw its bulk stores complete: it releases every rank's flag itself.
+        if (lane == 0) fence_acq_rel_sys();
+        for (uint32_t d = 0; d < W; ++d) {
+            const uint32_t sl = __shfl_sync(0xffffffffu, my_slots, d);
+            if (lane == 0) st_relaxed_sys(dispatch_arrays(c, d, par).dtf + slot, ((uint64_t)n << 32) | sl);
+        }
+    } else if (lane < W) {
+        st_release_sys(dispatch_arrays(c, lane, par).dtf + slot, ((uint64_t)n << 32) | my_slots);
     }
 }
 
-// Waits for every source, computes each local expert's row offsets per source, then copies every
-// received record into its rows of the expert-major output (one warp per (source, token, chunk)).
-// Records the (source, token, slot) -> row map for combine, then acknowledges each source.
-// Static shared memory: offsets for up to 1024 (local expert, source) pairs.
-#define A2A_MAX_OFFSETS 4096
-__device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a) {
+// Warp `wi` of `nw` sending warps of this block sends tokens cs + wi, cs + wi + nw, ...: every
+// block advances through its chunk in order, which is the order the receivers take them in.
+// tma_smem: see A2ADispatchArgs (0: registers).
+__device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& a, const SendCtx& x, uint32_t wi, uint32_t nw,
+                                                     uint64_t tma_smem) {
+    const uint32_t K = (uint32_t)a.c.topk;
+    TmaSlot tma = {nullptr, nullptr, 0};
+    if (tma_smem && x.cs + wi < x.ce) {
+        extern __shared__ __align__(128) int smem[];
+        uint8_t* region = reinterpret_cast<uint8_t*>(smem) + tma_smem;
+        tma.buf = region + (uint64_t)wi * a.c.rec_bytes;
+        tma.bar = reinterpret_cast<uint64_t*>(region + (uint64_t)nw * a.c.rec_bytes) + wi;
+        if (lane_id() == 0) mbar_init(tma.bar);
+        __syncwarp();
+    }
+    for (uint32_t t = x.cs + wi; t < x.ce; t += nw) {
+        send_token(a, x.n, t, x.pos + (t - x.cs) * K, tma);
+    }
+}
+
+// The receiving warps [first_warp, A2A_WARPS) of this block: wait for every source's counts,
+// compute each local expert's row offsets per source, then take items (source, token, 2 KiB
+// chunk) in the order the senders produce them, each as soon as its token's flag is up: copy the
+// chunk into its rows of the expert-major output, and record the (source, token, slot) -> row map
+// for combine. No barrier involves warps outside [first_warp, A2A_WARPS).
+__device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a, uint32_t n, uint32_t first_warp) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, L = (uint32_t)c.local_experts;
     const uint32_t me = (uint32_t)c.rank, max_rows = (uint32_t)c.max_rows;
-    const uint32_t lane = lane_id();
-    __shared__ int s_off[A2A_MAX_OFFSETS];  // [L][W]
-    __shared__ uint32_t s_T[A2A_MAX_PEERS], s_ok[A2A_MAX_PEERS];
-    __shared__ uint32_t s_n;
-    uint8_t* mine = shared_of(c, me);
+    const uint32_t G = (uint32_t)c.send_grid;
+    const uint32_t lane = lane_id(), warp = threadIdx.x / 32;
+    const uint32_t nrw = A2A_WARPS - first_warp, nrt = nrw * 32, rt = threadIdx.x - first_warp * 32;
+    __shared__ int s_off[1024];  // [L][W]: L * W = num_experts <= MAX_EXPERTS (src/config.rs)
+    __shared__ uint32_t s_T[A2A_MAX_PEERS], s_ok[A2A_MAX_PEERS], s_chunk[A2A_MAX_PEERS];
+    __shared__ uint32_t s_cmax;
+    const uint32_t par = n & 1;
+    const DispatchArrays mine = dispatch_arrays(c, me, par);
 
-    if (threadIdx.x == 0) s_n = next_seq(c, A2A_DISPATCH_RECV);
-    __syncthreads();
-    const uint32_t n = s_n;
-    if (threadIdx.x < W) {
-        const uint64_t* flag = reinterpret_cast<const uint64_t*>(mine + c.off_dflag) + threadIdx.x;
-        const uint64_t v = wait_flag(c, flag, n);
-        s_ok[threadIdx.x] = v != 0;
-        s_T[threadIdx.x] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
-        if (blockIdx.x == 0) {
-            reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[threadIdx.x] = s_T[threadIdx.x];
-        }
+    if (rt < W) {
+        const uint64_t v = wait_flag(c, mine.dcf + rt, n);
+        s_ok[rt] = v != 0;
+        s_T[rt] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
+        if (blockIdx.x == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[rt] = s_T[rt];
     }
-    __syncthreads();
-    const int* dcnt = reinterpret_cast<const int*>(mine + c.off_dcnt);
-    for (uint32_t el = threadIdx.x; el < L; el += blockDim.x) {
+    bar_sync(1, nrt);
+    // Every (local expert, source) count at once, then each expert's prefix over sources.
+    for (uint32_t i = rt; i < L * W; i += nrt) {
+        const uint32_t el = i / W, s = i % W;
+        s_off[i] = s_ok[s] ? __ldcg(mine.dcnt + s * L + el) : 0;
+    }
+    bar_sync(1, nrt);
+    for (uint32_t el = rt; el < L; el += nrt) {
         int running = 0;
         for (uint32_t s = 0; s < W; ++s) {
+            const int cnt = s_off[el * W + s];
             s_off[el * W + s] = running;
-            running += s_ok[s] ? __ldcg(dcnt + s * L + el) : 0;
+            running += cnt;
         }
         if (blockIdx.x == 0) {
             if (running > (int)max_rows) {
@@ -208,85 +374,127 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a)
             reinterpret_cast<int*>(a.out_counts)[el] = running;
         }
     }
-    __syncthreads();
+    if (rt == 0) {
+        uint32_t cmax = 0;
+        for (uint32_t s = 0; s < W; ++s) {
+            const uint32_t ch = (s_T[s] + G - 1) / G;  // the source's tokens per sending block
+            s_chunk[s] = ch;
+            cmax = max(cmax, ch);
+        }
+        s_cmax = cmax;
+    }
+    bar_sync(1, nrt);
 
     const uint32_t nvec = (uint32_t)(c.data_bytes / 16);
-    const uint32_t nchunks = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
-    uint32_t items = 0;
-    for (uint32_t s = 0; s < W; ++s) items += s_T[s] * nchunks;
-    const uint32_t gwarp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const uint32_t gwarps = gridDim.x * (blockDim.x / 32);
+    const uint32_t nch = (nvec + A2A_CHUNK_VECS - 1) / A2A_CHUNK_VECS;
+    const uint32_t S = (uint32_t)c.num_scales;
+    const bool scale_vec = (S & 3) == 0 && (a.out_scales & 15) == 0;
+    // Items (i, b, s, ch), ch innermost: the i-th token of sending block b of source s. Senders
+    // go through their chunks in order, so items become ready roughly in this order.
+    const uint32_t items = s_cmax * G * W * nch;  // < 2^31 (Config::validate)
+    const uint32_t gw = blockIdx.x * nrw + (warp - first_warp), gws = gridDim.x * nrw;
     int* map = reinterpret_cast<int*>(state_at(c, c.st_map));
-    const uint64_t row_bytes = c.data_bytes;
-    for (uint32_t it = gwarp; it < items; it += gwarps) {
-        uint32_t s = 0, rest = it;
-        while (rest >= s_T[s] * nchunks) {
-            rest -= s_T[s] * nchunks;
-            ++s;
-        }
-        const uint32_t t = rest / nchunks, ch = rest % nchunks;
+    for (uint32_t it = gw; it < items; it += gws) {
+        uint32_t r = it;
+        const uint32_t ch = r % nch;
+        r /= nch;
+        const uint32_t s = r % W;
+        r /= W;
+        const uint32_t b = r % G, i = r / G;
+        const uint32_t chunk = s_chunk[s];
+        if (i >= chunk) continue;
+        const uint32_t t = b * chunk + i;
+        if (t >= s_T[s]) continue;
         const uint64_t slot = (uint64_t)s * c.max_tokens + t;
-        int row = -1;
-        if (lane < K) {
-            const int2 h = __ldcg(reinterpret_cast<const int2*>(mine + c.off_hdr) + slot * K + lane);
+        const uint64_t v = wait_flag(c, mine.dtf + slot, n);
+        if (v == 0) continue;  // timed out (reported)
+        const uint32_t slots = (uint32_t)v;
+        int row = A2A_NOT_MINE;
+        if (lane < K && ((slots >> lane) & 1u)) {
+            const int2 h = __ldcg(mine.hdr + slot * K + lane);
+            row = A2A_DROPPED;
             if (h.x >= 0 && (uint32_t)h.x < L && h.y >= 0) {
-                const int r = s_off[h.x * W + s] + h.y;
-                if (r < (int)max_rows) {
-                    row = h.x * (int)max_rows + r;
+                const int rr = s_off[h.x * W + s] + h.y;
+                if (rr < (int)max_rows) {
+                    row = h.x * (int)max_rows + rr;
                 } else if (ch == 0) {
                     set_error(c, A2A_ERR_EXPERT_OVERFLOW);
                 }
             }
-            if (ch == 0) map[slot * K + lane] = row;
         }
+        if (ch == 0 && lane < K) map[slot * K + lane] = row;
         const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
         if (m == 0) continue;
-        const uint8_t* rec = mine + c.off_data + slot * c.rec_bytes;
+        const uint8_t* rec = mine.data + slot * c.rec_bytes;
         const int4* src = reinterpret_cast<const int4*>(rec);
         const uint32_t v0 = ch * A2A_CHUNK_VECS, v1 = min(v0 + A2A_CHUNK_VECS, nvec);
-        int4 v[A2A_CHUNK_VECS / 32];
+        int4 val[A2A_CHUNK_VECS / 32];
 #pragma unroll
         for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
             const uint32_t k = v0 + lane + u * 32;
-            if (k < v1) v[u] = __ldcg(src + k);
+            if (k < v1) val[u] = __ldcg(src + k);
         }
         for (unsigned rem = m; rem; rem &= rem - 1) {
             const int j = __ffs(rem) - 1;
-            const int r = __shfl_sync(0xffffffffu, row, j);
-            int4* out = reinterpret_cast<int4*>(a.out_x + (uint64_t)r * row_bytes);
+            const int rj = __shfl_sync(0xffffffffu, row, j);
+            int4* out = reinterpret_cast<int4*>(a.out_x + (uint64_t)rj * c.data_bytes);
 #pragma unroll
             for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
                 const uint32_t k = v0 + lane + u * 32;
-                if (k < v1) out[k] = v[u];
-            }
-            if (ch == 0 && c.num_scales) {
-                const float* si = reinterpret_cast<const float*>(rec + c.data_bytes);
-                float* so = reinterpret_cast<float*>(a.out_scales) + (uint64_t)r * c.num_scales;
-                for (uint32_t q = lane; q < c.num_scales; q += 32) so[q] = __ldcg(si + q);
+                if (k < v1) out[k] = val[u];
             }
         }
-    }
-
-    if (last_block_done(c, A2A_DISPATCH_RECV, n)) {
-        for (uint32_t s = 0; s < W; ++s) {
-            uint64_t* ack = reinterpret_cast<uint64_t*>(shared_of(c, s) + c.off_dack) + me;
-            st_release_sys(ack, (uint64_t)n << 32);
+        if (ch == 0 && S) {
+            const uint8_t* si = rec + c.data_bytes;
+            for (unsigned rem = m; rem; rem &= rem - 1) {
+                const int rj = __shfl_sync(0xffffffffu, row, __ffs(rem) - 1);
+                uint8_t* so = reinterpret_cast<uint8_t*>(a.out_scales) + (uint64_t)rj * S * 4;
+                if (scale_vec) {
+                    for (uint32_t q = lane; q < S / 4; q += 32) {
+                        reinterpret_cast<int4*>(so)[q] = __ldcg(reinterpret_cast<const int4*>(si) + q);
+                    }
+                } else {
+                    for (uint32_t q = lane; q < S; q += 32) {
+                        reinterpret_cast<float*>(so)[q] = __ldcg(reinterpret_cast<const float*>(si) + q);
+                    }
+                }
+            }
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) {
-    dispatch_send_body(a);
+    const SendCtx x = dispatch_send_prologue(a, false);
+    dispatch_send_tokens(a, x, threadIdx.x / 32, A2A_WARPS, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2ADispatchRecvArgs a) {
-    dispatch_recv_body(a);
+    __shared__ uint32_t s_n;
+    if (threadIdx.x == 0) {
+        uint32_t* rs = seq_slot(a.c, A2A_DISPATCH_RECV);
+        s_n = *rs + 1;
+        *rs = s_n;
+    }
+    __syncthreads();
+    dispatch_recv_body(a, s_n, 0);
 }
 
-// Both halves in one launch (no launch gap; the receive prologue overlaps the peers' sends).
-// Every block finishes its send part before waiting, and the flags a block waits for are raised
-// by the last block of a send part, so blocks that are not resident yet only delay, never block.
+// Both halves in one launch. With send_warps < A2A_WARPS, warps [0, send_warps) of every block
+// send while the others receive what has arrived (prefill: the expansion overlaps the NVLink
+// transfer); otherwise every warp sends its tokens, then receives (decode: fewest round trips).
+// No warp waits for another block of its own launch; receivers wait for peers' flags, which
+// peers raise from their send parts (no waits there). The grid is two blocks per multiprocessor,
+// resident together when the GPU runs nothing else.
 extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch(const A2ADispatchArgs a) {
-    dispatch_send_body(a.send);
-    dispatch_recv_body(a.recv);
+    const SendCtx x = dispatch_send_prologue(a.send, true);
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t S = (uint32_t)a.send_warps;
+    if (S == 0 || S >= A2A_WARPS) {
+        dispatch_send_tokens(a.send, x, warp, A2A_WARPS, 0);
+        dispatch_recv_body(a.recv, x.n, 0);
+    } else if (warp < S) {
+        dispatch_send_tokens(a.send, x, warp, S, a.tma_smem);
+    } else {
+        dispatch_recv_body(a.recv, x.n, S);
+    }
 }

@@ -10,7 +10,7 @@ use crate::{
     config::{Config, DispatchDtype, THREADS},
     error::{invalid, A2aError, Result},
     kernels::Kernels,
-    layout::{Layout, HOST_COUNTS_OFFSET, HOST_SEQ_OFFSET, NUM_ERROR_WORDS},
+    layout::{Layout, HOST_COUNTS_OFFSET, HOST_SEQ_OFFSET, MAX_GRID, NUM_ERROR_WORDS},
     params::{
         CombineParams, CombineRecvParams, CombineSendParams, Common, DispatchParams,
         DispatchRecvParams, DispatchSendParams,
@@ -27,11 +27,47 @@ pub mod device_error {
     pub const BAD_NUM_TOKENS: u32 = 1 << 2;
     /// A local expert received more rows than `max_tokens_per_expert` (the extra rows were dropped).
     pub const EXPERT_OVERFLOW: u32 = 1 << 3;
+    /// A send half ran again before the receive half of the previous call (results undefined).
+    pub const CALL_ORDER: u32 = 1 << 4;
 }
 
-const HANDLE_MAGIC: &[u8; 4] = b"A2A1";
-const HANDLE_LEN: usize = 4 + 8 * 5 + 64;
-const MAX_STATIC_SHARED: usize = 48 * 1024;
+/// Warps per block of every kernel.
+const WARPS: u32 = THREADS / 32;
+/// Fused dispatch with at least this many tokens per block streams: `DISPATCH_STREAM_WARPS` warps
+/// of each block send while the others expand what has arrived. Fewer concurrent NVLink writers
+/// move more bytes per second (4x H200, 4096 tokens, bf16: 2 warps 490 us, 4: 560, 8: 645,
+/// all 16 then receive: 737; docs/all_to_all.md).
+const DISPATCH_STREAM_TOKENS_PER_BLOCK: usize = 4;
+const DISPATCH_STREAM_WARPS: u32 = 2;
+/// Fused combine with at least this many tokens streams with `COMBINE_STREAM_WARPS` sending warps
+/// (10: 503-505 us at 4096 tokens, 12: 505-506, 14: 593-599 (too few receivers), 16: 529-534).
+const COMBINE_STREAM_TOKENS: usize = 1024;
+const COMBINE_STREAM_WARPS: u32 = 10;
+/// Environment overrides of the sending warps per block of fused calls (1..=16; 0 or unset: auto).
+const ENV_DISPATCH_SEND_WARPS: &str = "FABRIC_A2A_DISPATCH_SEND_WARPS";
+const ENV_COMBINE_SEND_WARPS: &str = "FABRIC_A2A_COMBINE_SEND_WARPS";
+/// `1` moves the tokens of streaming dispatches through the bulk copy engine (TMA: global ->
+/// shared -> every destination) instead of registers. Off by default: measured slower on 4x H200
+/// (4096 tokens, 2 sending warps: fp8 274 us against 266, bf16 536 against 490).
+const ENV_TMA: &str = "FABRIC_A2A_TMA";
+/// Streaming dispatch moves tokens through the bulk copy engine when the sending warps' record
+/// buffers fit in this many bytes of shared memory per block (two blocks per multiprocessor).
+const TMA_MAX_BUFFER_BYTES: usize = 64 * 1024;
+/// Dynamic shared memory the fused dispatch kernel may use: the send part's arrays, the buffers
+/// and their mbarriers.
+const DISPATCH_MAX_DYNAMIC_SHARED: usize = MAX_DYNAMIC_SHARED + TMA_MAX_BUFFER_BYTES + 1024;
+
+fn env_warps(name: &str) -> Option<u32> {
+    let v: u32 = std::env::var(name).ok()?.trim().parse().ok()?;
+    (1..=WARPS).contains(&v).then_some(v)
+}
+
+const HANDLE_MAGIC: &[u8; 4] = b"A2A2";
+const HANDLE_WORDS: usize = 6;
+const HANDLE_LEN: usize = 4 + 8 * HANDLE_WORDS + 64;
+/// Dynamic shared memory of the dispatch send part: 48 KiB per block without opting in, less
+/// the receive part's static arrays (about 4.3 KiB).
+const MAX_DYNAMIC_SHARED: usize = 40 * 1024;
 
 /// Arguments of [`AllToAll::dispatch_send`]: device addresses and strides (bytes unless noted).
 #[derive(Debug, Clone, Copy, Default)]
@@ -98,7 +134,9 @@ pub struct CombineRecv {
 /// Created per rank with [`AllToAll::new`]; every rank then shares [`AllToAll::export_handle`]
 /// with the others (any collective) and calls [`AllToAll::connect`] with all handles in rank
 /// order. Calls must then be made by every rank, in the same order: dispatch send, dispatch recv,
-/// combine send, combine recv (either half may be repeated alone as long as every rank does).
+/// combine send, combine recv. A whole dispatch or combine (both halves) may be repeated; a send
+/// half must be followed by its receive half before the next send half of the same kind
+/// ([`device_error::CALL_ORDER`] otherwise).
 #[derive(Debug)]
 pub struct AllToAll {
     cfg: Config,
@@ -113,6 +151,9 @@ pub struct AllToAll {
     dispatch_grid: u32,
     combine_grid: u32,
     send_shared_bytes: u32,
+    dispatch_send_warps: Option<u32>,
+    combine_send_warps: Option<u32>,
+    tma: bool,
     ctx: Arc<Context>,
 }
 
@@ -123,21 +164,31 @@ impl AllToAll {
         let ctx = Context::new(device)?;
         let sms = ctx.device().multiprocessor_count()?;
         // Dispatch kernels run two blocks per multiprocessor (few registers, latency-bound);
-        // combine kernels one (more registers). Combine send needs a block per rank.
+        // combine kernels one (more registers). Combine send needs a block per rank. Every rank
+        // must use the same dispatch grid (receivers follow the senders' token chunks).
         let dispatch_grid = 2 * sms;
         let combine_grid = sms.max(cfg.world_size as u32);
+        if dispatch_grid as usize > MAX_GRID || combine_grid as usize > MAX_GRID {
+            return Err(invalid!(
+                "{sms} multiprocessors: more blocks per launch than {MAX_GRID}"
+            ));
+        }
         let chunk = cfg.max_num_tokens.div_ceil(dispatch_grid as usize);
         let send_shared = 4 * (2 * cfg.num_experts + chunk * cfg.experts_per_token);
-        if send_shared > MAX_STATIC_SHARED {
+        if send_shared > MAX_DYNAMIC_SHARED {
             return Err(invalid!(
                 "max_num_tokens {} with {} experts per token needs {send_shared} bytes of shared \
-                 memory per block (limit {MAX_STATIC_SHARED})",
+                 memory per block (limit {MAX_DYNAMIC_SHARED})",
                 cfg.max_num_tokens,
                 cfg.experts_per_token
             ));
         }
         let layout = Layout::new(&cfg);
         let kernels = Kernels::load(&ctx)?;
+        let tma = std::env::var(ENV_TMA).is_ok_and(|v| v.trim() == "1")
+            && kernels
+                .set_max_dynamic_shared(kernels.dispatch, DISPATCH_MAX_DYNAMIC_SHARED as u32)
+                .is_ok();
         let shared = DeviceBuffer::new(&ctx, layout.shared_bytes)?;
         let state = DeviceBuffer::new(&ctx, layout.state_bytes)?;
         let host = PinnedHostBuffer::new(&ctx, layout.host_bytes)?;
@@ -160,6 +211,9 @@ impl AllToAll {
             dispatch_grid,
             combine_grid,
             send_shared_bytes: send_shared as u32,
+            dispatch_send_warps: env_warps(ENV_DISPATCH_SEND_WARPS),
+            combine_send_warps: env_warps(ENV_COMBINE_SEND_WARPS),
+            tma,
             ctx,
         })
     }
@@ -195,6 +249,7 @@ impl AllToAll {
             self.layout.shared_bytes as u64,
             export.offset,
             export.alloc_len as u64,
+            self.dispatch_grid as u64,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -227,6 +282,14 @@ impl AllToAll {
                     self.layout.shared_bytes
                 ));
             }
+            if h.dispatch_grid != self.dispatch_grid as u64 {
+                return Err(invalid!(
+                    "rank {r} launches {} dispatch blocks, this rank {}: every GPU of the group must \
+                     have the same number of multiprocessors",
+                    h.dispatch_grid,
+                    self.dispatch_grid
+                ));
+            }
             if r == self.cfg.rank {
                 peer_ptrs[r] = self.shared.ptr();
                 continue;
@@ -251,17 +314,16 @@ impl AllToAll {
             timeout_ns: u64::try_from(c.timeout.as_nanos()).unwrap_or(u64::MAX),
             state: self.state.ptr(),
             host: self.host.device_ptr(),
-            off_dflag: l.off_dflag as u64,
-            off_dack: l.off_dack as u64,
-            off_cwflag: l.off_cwflag as u64,
-            off_cflag: l.off_cflag as u64,
+            send_grid: self.dispatch_grid as u64,
+            off_dcf: l.off_dcf as u64,
             off_dcnt: l.off_dcnt as u64,
+            off_dtf: l.off_dtf as u64,
             off_hdr: l.off_hdr as u64,
             off_data: l.off_data as u64,
             off_cw: l.off_cw as u64,
+            off_ctf: l.off_ctf as u64,
             off_cdata: l.off_cdata as u64,
             st_seq: l.st_seq as u64,
-            st_done: l.st_done as u64,
             st_poison: l.st_poison as u64,
             st_my_tokens: l.st_my_tokens as u64,
             st_recv_tokens: l.st_recv_tokens as u64,
@@ -500,9 +562,17 @@ impl AllToAll {
         send: &DispatchSend,
         recv: &DispatchRecv,
     ) -> Result<()> {
+        let send_warps = self.dispatch_send_warps(send.num_tokens);
+        let tma_smem = self.dispatch_tma_smem(send, send_warps);
+        let shared = match tma_smem {
+            Some(off) => off + send_warps as usize * (self.layout.rec_bytes + 8),
+            None => self.send_shared_bytes as usize,
+        };
         let p = DispatchParams {
             send: self.dispatch_send_params(send)?,
             recv: self.dispatch_recv_params(recv)?,
+            send_warps: send_warps as u64,
+            tma_smem: tma_smem.unwrap_or(0) as u64,
         };
         // SAFETY: as for the halves.
         unsafe {
@@ -510,7 +580,7 @@ impl AllToAll {
                 self.kernels.dispatch,
                 self.dispatch_grid,
                 THREADS,
-                self.send_shared_bytes,
+                shared as u32,
                 stream,
                 &p,
             )
@@ -530,6 +600,7 @@ impl AllToAll {
         let p = CombineParams {
             send: self.combine_send_params(send)?,
             recv: self.combine_recv_params(recv)?,
+            send_warps: self.combine_send_warps(recv.num_rows) as u64,
         };
         // SAFETY: as for the halves.
         unsafe {
@@ -542,6 +613,48 @@ impl AllToAll {
                 &p,
             )
         }
+    }
+
+    /// Sending warps per block of a fused dispatch of `num_tokens` rows: all of them (send, then
+    /// receive: fewest round trips) unless every block has several tokens, then a few, and the
+    /// others expand what has arrived meanwhile.
+    pub fn dispatch_send_warps(&self, num_tokens: usize) -> u32 {
+        self.dispatch_send_warps.unwrap_or_else(|| {
+            let per_block = num_tokens.div_ceil(self.dispatch_grid as usize);
+            if per_block >= DISPATCH_STREAM_TOKENS_PER_BLOCK {
+                DISPATCH_STREAM_WARPS
+            } else {
+                WARPS
+            }
+        })
+    }
+
+    /// Where the sending warps' bulk-copy buffers start in the fused dispatch's dynamic shared
+    /// memory, when tokens can move through the bulk copy engine: streaming (some warps send),
+    /// their records fit, and rows of values and scales are whole 16-byte vectors.
+    fn dispatch_tma_smem(&self, send: &DispatchSend, send_warps: u32) -> Option<usize> {
+        let scales = self.cfg.num_scales();
+        let scales_ok = scales == 0
+            || (scales % 4 == 0 && send.scales % 16 == 0 && send.scales_stride % 16 == 0);
+        (self.tma
+            && send_warps < WARPS
+            && send.num_tokens > 0
+            && scales_ok
+            && send.x % 16 == 0
+            && send.x_stride % 16 == 0
+            && send_warps as usize * self.layout.rec_bytes <= TMA_MAX_BUFFER_BYTES)
+            .then(|| (self.send_shared_bytes as usize).div_ceil(128) * 128)
+    }
+
+    /// Sending warps per block of a fused combine of `num_rows` tokens (see
+    /// [`AllToAll::dispatch_send_warps`]).
+    pub fn combine_send_warps(&self, num_rows: usize) -> u32 {
+        self.combine_send_warps
+            .unwrap_or(if num_rows >= COMBINE_STREAM_TOKENS {
+                COMBINE_STREAM_WARPS
+            } else {
+                WARPS
+            })
     }
 
     /// Errors reported by kernels so far (bits of [`device_error`]); read without synchronizing,
@@ -592,6 +705,7 @@ struct Handle {
     world: usize,
     shared_bytes: usize,
     offset: u64,
+    dispatch_grid: u64,
     handle: [u8; 64],
 }
 
@@ -605,12 +719,13 @@ fn decode_handle(bytes: &[u8]) -> Result<Handle> {
         u64::from_le_bytes(b)
     };
     let mut handle = [0u8; 64];
-    handle.copy_from_slice(&bytes[4 + 40..]);
+    handle.copy_from_slice(&bytes[4 + 8 * HANDLE_WORDS..]);
     Ok(Handle {
         rank: word(0) as usize,
         world: word(1) as usize,
         shared_bytes: word(2) as usize,
         offset: word(3),
+        dispatch_grid: word(5),
         handle,
     })
 }

@@ -116,6 +116,18 @@ impl Config {
                 self.dispatch_dtype
             ));
         }
+        // Work items of one launch are counted in 31 bits by the kernels: (tokens + blocks) x
+        // ranks x 2 KiB chunks of a bf16 row.
+        let items = (self.max_num_tokens as u64 + crate::layout::MAX_GRID as u64)
+            * w as u64
+            * (2 * self.hidden as u64).div_ceil(crate::layout::CHUNK_BYTES as u64);
+        if items >= i32::MAX as u64 {
+            return Err(invalid!(
+                "max_num_tokens {} x world_size {w} x hidden {} is too large for one launch",
+                self.max_num_tokens,
+                self.hidden
+            ));
+        }
         let rows = self.max_tokens_per_expert;
         if rows == 0 || (rows as u64) * (self.local_experts() as u64) >= i32::MAX as u64 {
             return Err(invalid!(
@@ -170,6 +182,7 @@ mod tests {
             Box::new(|c| c.experts_per_token = 33),
             Box::new(|c| c.max_num_tokens = 0),
             Box::new(|c| c.hidden = 7000),
+            Box::new(|c| c.hidden = 1 << 30),
             Box::new(|c| c.max_tokens_per_expert = 0),
             Box::new(|c| c.timeout = Duration::ZERO),
         ];

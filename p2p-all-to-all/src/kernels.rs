@@ -148,6 +148,19 @@ impl Kernels {
         Ok(kernels)
     }
 
+    /// Lets `f` use up to `bytes` of dynamic shared memory per block (above the default 48 KiB).
+    pub fn set_max_dynamic_shared(&self, f: sys::CUfunction, bytes: u32) -> Result<()> {
+        let _cur = Current::enter(&self.ctx)?;
+        // SAFETY: `f` is a function of this loaded module; the attribute takes a byte count.
+        check("cuFuncSetAttribute", unsafe {
+            sys::cuFuncSetAttribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        })
+    }
+
     /// Launches `f` with one by-value parameter block `params` on the raw stream `stream`.
     ///
     /// # Safety

@@ -15,37 +15,42 @@ pub const HOST_SEQ_OFFSET: usize = 64;
 /// Error words in the host block.
 pub const NUM_ERROR_WORDS: usize = 8;
 
-/// Offsets (bytes) of the arrays the kernels use.
+/// Sequence counters per kernel kind and block (`A2A_MAX_GRID` in the kernels).
+pub const MAX_GRID: usize = 1024;
+/// Bytes of one combine chunk (the unit of combine's flags): 128 vectors of 16 bytes.
+pub const CHUNK_BYTES: usize = 2048;
+
+/// Offsets (bytes) of the arrays the kernels use. Dispatch arrays are doubled (indexed by the
+/// call's parity, first index); see `kernels/a2a_common.cuh`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
     /// Size of the shared (IPC) region.
     pub shared_bytes: usize,
-    /// `dflag[W]` u64.
-    pub off_dflag: usize,
-    /// `dack[W]` u64.
-    pub off_dack: usize,
-    /// `cwflag[W]` u64.
-    pub off_cwflag: usize,
-    /// `cflag[W]` u64.
-    pub off_cflag: usize,
-    /// `dcnt[W][L]` i32.
+    /// `dcf[2][W]` u64: count flags.
+    pub off_dcf: usize,
+    /// `dcnt[2][W][L]` i32.
     pub off_dcnt: usize,
-    /// `hdr[W][Tmax][K]` (i32, i32).
+    /// `dtf[2][W][Tmax]` u64: token flags.
+    pub off_dtf: usize,
+    /// `hdr[2][W][Tmax][K]` (i32, i32).
     pub off_hdr: usize,
-    /// `data[W][Tmax][rec_bytes]`.
+    /// `data[2][W][Tmax][rec_bytes]`.
     pub off_data: usize,
-    /// `cw[W][Tmax][K]` f32.
+    /// `cw[W][Tmax][K]` u64: combine weights, `(seq << 32) | fp32 bits`.
     pub off_cw: usize,
+    /// `ctf[W][Tmax][combine_chunks]` u64: combine partial flags.
+    pub off_ctf: usize,
     /// `cdata[W][Tmax][hidden]` bf16.
     pub off_cdata: usize,
-    /// Bytes of one dispatched token record (values, then fp32 scales), a multiple of 16.
+    /// Bytes of one dispatched token record (values, then fp32 scales), a multiple of 128 (whole
+    /// NVLink write packets).
     pub rec_bytes: usize,
+    /// 2 KiB chunks of a bf16 row (combine's unit).
+    pub combine_chunks: usize,
     /// Size of the local state.
     pub state_bytes: usize,
-    /// `seq[4]` u64.
+    /// `seq[4][MAX_GRID]` u32.
     pub st_seq: usize,
-    /// `done[4]` u32.
-    pub st_done: usize,
     /// `poison` u32.
     pub st_poison: usize,
     /// `my_tokens` u32.
@@ -70,21 +75,21 @@ impl Layout {
             cfg.local_experts(),
             cfg.hidden,
         );
-        let rec_bytes = (cfg.data_bytes() + 4 * cfg.num_scales()).div_ceil(16) * 16;
+        let rec_bytes = (cfg.data_bytes() + 4 * cfg.num_scales()).div_ceil(128) * 128;
+        let combine_chunks = (2 * h).div_ceil(CHUNK_BYTES);
         let mut at = 0usize;
         let mut take = |bytes: usize| {
             let off = at;
             at = align(at + bytes);
             off
         };
-        let off_dflag = take(8 * w);
-        let off_dack = take(8 * w);
-        let off_cwflag = take(8 * w);
-        let off_cflag = take(8 * w);
-        let off_dcnt = take(4 * w * l);
-        let off_hdr = take(8 * w * t * k);
-        let off_data = take(w * t * rec_bytes);
-        let off_cw = take(4 * w * t * k);
+        let off_dcf = take(2 * 8 * w);
+        let off_dcnt = take(2 * 4 * w * l);
+        let off_dtf = take(2 * 8 * w * t);
+        let off_ctf = take(8 * w * t * combine_chunks);
+        let off_hdr = take(2 * 8 * w * t * k);
+        let off_cw = take(8 * w * t * k);
+        let off_data = take(2 * w * t * rec_bytes);
         let off_cdata = take(2 * w * t * h);
         let shared_bytes = at;
 
@@ -94,8 +99,7 @@ impl Layout {
             at = align(at + bytes);
             off
         };
-        let st_seq = take(8 * 4);
-        let st_done = take(4 * 4);
+        let st_seq = take(4 * 4 * MAX_GRID);
         let st_poison = take(4);
         let st_my_tokens = take(4);
         let st_recv_tokens = take(4 * w);
@@ -104,19 +108,18 @@ impl Layout {
         let state_bytes = at;
         Layout {
             shared_bytes,
-            off_dflag,
-            off_dack,
-            off_cwflag,
-            off_cflag,
+            off_dcf,
             off_dcnt,
+            off_dtf,
             off_hdr,
             off_data,
             off_cw,
+            off_ctf,
             off_cdata,
             rec_bytes,
+            combine_chunks,
             state_bytes,
             st_seq,
-            st_done,
             st_poison,
             st_my_tokens,
             st_recv_tokens,
@@ -124,11 +127,6 @@ impl Layout {
             st_map,
             host_bytes: align(HOST_COUNTS_OFFSET + 4 * cfg.num_experts),
         }
-    }
-
-    /// The flag words at the start of the shared region (zeroed before peers connect).
-    pub fn flag_bytes(&self) -> usize {
-        self.off_dcnt
     }
 }
 
@@ -157,31 +155,43 @@ mod tests {
         for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8E4m3] {
             let l = Layout::new(&cfg(dtype, 128));
             let offs = [
-                l.off_dflag,
-                l.off_dack,
-                l.off_cwflag,
-                l.off_cflag,
+                l.off_dcf,
                 l.off_dcnt,
+                l.off_dtf,
+                l.off_ctf,
                 l.off_hdr,
-                l.off_data,
                 l.off_cw,
+                l.off_data,
                 l.off_cdata,
                 l.shared_bytes,
             ];
             assert!(offs.windows(2).all(|p| p[0] < p[1]), "{offs:?}");
             assert!(offs.iter().all(|o| o % 256 == 0));
-            assert_eq!(l.rec_bytes % 16, 0);
-            assert!(l.off_cdata - l.off_data >= 4 * 128 * l.rec_bytes);
+            assert_eq!(l.rec_bytes % 128, 0);
+            assert_eq!(l.combine_chunks, 7);
+            assert_eq!(l.off_cdata - l.off_data, 2 * 4 * 128 * l.rec_bytes);
             assert_eq!(l.shared_bytes - l.off_cdata, 2 * 4 * 128 * 7168);
+            assert_eq!(l.off_hdr - l.off_ctf, 8 * 4 * 128 * 7);
+            let states = [
+                l.st_seq,
+                l.st_poison,
+                l.st_my_tokens,
+                l.st_recv_tokens,
+                l.st_token_mask,
+                l.st_map,
+                l.state_bytes,
+            ];
+            assert!(states.windows(2).all(|p| p[0] < p[1]), "{states:?}");
         }
         let fp8 = Layout::new(&cfg(DispatchDtype::Fp8E4m3, 128));
-        assert_eq!(fp8.rec_bytes, 7168 + 56 * 4);
+        assert_eq!(fp8.rec_bytes, 7424); // 7168 values + 224 bytes of scales, padded to 128
         assert_eq!(Layout::new(&cfg(DispatchDtype::Bf16, 128)).rec_bytes, 14336);
     }
 
     #[test]
-    fn prefill_fits_in_a_few_hundred_megabytes() {
+    fn prefill_fits_in_under_a_gigabyte() {
+        // Two dispatch buffers of 4 x 4096 bf16 rows (470 MB) and one combine buffer (235 MB).
         let l = Layout::new(&cfg(DispatchDtype::Bf16, 4096));
-        assert!(l.shared_bytes < 600 << 20, "{}", l.shared_bytes);
+        assert!(l.shared_bytes < 750 << 20, "{}", l.shared_bytes);
     }
 }

@@ -4,19 +4,25 @@
 //! Each rank allocates receive buffers (cuMemAlloc through `cuda-lib`), shares them with its
 //! peers through CUDA IPC handles, and launches four kernels on a stream the caller gives as a
 //! raw handle (torch's current stream, from Python): no libtorch, no host synchronization.
-//! - **dispatch send**: counts rows per expert, sends each token once to every rank hosting one
-//!   of its experts (NVLink stores), with a header naming (local expert, position) per slot.
-//! - **dispatch recv**: waits for every source, lays rows out expert-major
-//!   `[local_experts, max_tokens_per_expert, hidden]` with per-expert counts (grouped-GEMM ready).
+//! - **dispatch send**: counts rows per expert (published first, with the token count), sends
+//!   each token once to every rank hosting one of its experts (NVLink stores), with a header
+//!   naming (local expert, position) per slot, then raises that token's flag on every rank.
+//! - **dispatch recv**: lays each token out expert-major
+//!   `[local_experts, max_tokens_per_expert, hidden]` as soon as its flag is up, with per-expert
+//!   counts (grouped-GEMM ready). Fused with the send half, part of each block's warps receive
+//!   while the others still send (prefill sizes).
 //! - **combine send**: publishes this rank's top-k weights, then sums the weighted outputs of its
-//!   local experts per received token in fp32 and sends one bf16 partial row back.
-//! - **combine recv**: adds the partials of the ranks each token went to (fp32) into `[T, hidden]`.
+//!   local experts per received token in fp32 and sends one bf16 partial per 2 KiB chunk back,
+//!   with a flag per chunk.
+//! - **combine recv**: adds the partials of the ranks each token went to (fp32) into `[T, hidden]`
+//!   as their flags come up.
 //!
-//! Flags carry per-kernel sequence numbers kept in device memory (no host resets), so calls can
-//! run back to back and inside CUDA graphs; the live token count may come from device memory.
-//! Waits time out (reported through [`AllToAll::errors`]) instead of hanging. Per-expert counts
-//! can be published to mapped host memory ([`AllToAll::host_counts`]): the hook for a CPU proxy
-//! that would carry remote (RDMA) ranks with the same flags; only NVLink is implemented.
+//! Flags carry per-block sequence numbers kept in device memory (no host resets, no grid-wide
+//! barrier), so calls can run back to back and inside CUDA graphs; the live token count may come
+//! from device memory. Dispatch buffers are doubled (by call parity), so no acknowledgements are
+//! needed. Waits time out (reported through [`AllToAll::errors`]) instead of hanging. Per-expert
+//! counts can be published to mapped host memory ([`AllToAll::host_counts`]): the hook for a CPU
+//! proxy that would carry remote (RDMA) ranks with the same flags; only NVLink is implemented.
 //!
 //! **Threads.** [`AllToAll`] is `Send + Sync`; launches take `&self`. Calls on one object must
 //! be issued in the same order on every rank (they are collective).

@@ -20,17 +20,16 @@ pub struct Common {
     pub timeout_ns: u64,
     pub state: u64,
     pub host: u64,
-    pub off_dflag: u64,
-    pub off_dack: u64,
-    pub off_cwflag: u64,
-    pub off_cflag: u64,
+    pub send_grid: u64,
+    pub off_dcf: u64,
     pub off_dcnt: u64,
+    pub off_dtf: u64,
     pub off_hdr: u64,
     pub off_data: u64,
     pub off_cw: u64,
+    pub off_ctf: u64,
     pub off_cdata: u64,
     pub st_seq: u64,
-    pub st_done: u64,
     pub st_poison: u64,
     pub st_my_tokens: u64,
     pub st_recv_tokens: u64,
@@ -39,7 +38,7 @@ pub struct Common {
     pub peers: [u64; MAX_PEERS],
 }
 
-const _: () = assert!(std::mem::size_of::<Common>() == (30 + MAX_PEERS) * 8);
+const _: () = assert!(std::mem::size_of::<Common>() == (29 + MAX_PEERS) * 8);
 
 /// `A2ADispatchSendArgs`.
 #[repr(C)]
@@ -95,6 +94,10 @@ pub struct CombineRecvParams {
 pub struct DispatchParams {
     pub send: DispatchSendParams,
     pub recv: DispatchRecvParams,
+    /// Warps per block that send while the others receive (`WARPS`: all send, then receive).
+    pub send_warps: u64,
+    /// Byte offset in dynamic shared memory of the sending warps' bulk-copy buffers (0: none).
+    pub tma_smem: u64,
 }
 
 /// `A2ACombineArgs` (both halves in one launch).
@@ -103,4 +106,6 @@ pub struct DispatchParams {
 pub struct CombineParams {
     pub send: CombineSendParams,
     pub recv: CombineRecvParams,
+    /// Warps per block that send while the others receive (`WARPS`: all send, then receive).
+    pub send_warps: u64,
 }

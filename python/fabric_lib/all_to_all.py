@@ -40,6 +40,7 @@ from .errors import CudaUnavailableError, FabricTimeoutError, InvalidArgumentErr
 __all__ = [
     "ERR_BAD_EXPERT",
     "ERR_BAD_NUM_TOKENS",
+    "ERR_CALL_ORDER",
     "ERR_EXPERT_OVERFLOW",
     "ERR_TIMEOUT",
     "AllToAll",
@@ -51,6 +52,7 @@ ERR_TIMEOUT = 1 << 0
 ERR_BAD_EXPERT = 1 << 1
 ERR_BAD_NUM_TOKENS = 1 << 2
 ERR_EXPERT_OVERFLOW = 1 << 3
+ERR_CALL_ORDER = 1 << 4
 
 SCALE_BLOCK = 128
 
@@ -192,6 +194,11 @@ class AllToAll:
             what.append(
                 f"a local expert received more than max_tokens_per_expert={self.max_tokens_per_expert} rows "
                 "(the extra rows were dropped)"
+            )
+        if bits & ERR_CALL_ORDER:
+            what.append(
+                "a send half (do_recv=False) ran again before the receive half of the previous call "
+                "(results of that call are undefined)"
             )
         raise InvalidArgumentError("all-to-all: an earlier call had bad input: " + "; ".join(what))
 
