@@ -82,7 +82,9 @@ pub(crate) fn local_process_id() -> u64 {
         // RandomState is seeded from the OS's random source; mix in pid and time for good measure.
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u32(std::process::id());
-        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+        h.write_u128(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+        );
         h.finish() | 1
     })
 }

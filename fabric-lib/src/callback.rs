@@ -56,7 +56,9 @@ fn next(rx: &Receiver<Message>, spin: bool) -> Option<Message> {
             match rx.try_recv() {
                 Ok(m) => return Some(m),
                 Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
-                Err(crossbeam_channel::TryRecvError::Empty) if std::time::Instant::now() < until => std::thread::yield_now(),
+                Err(crossbeam_channel::TryRecvError::Empty) if std::time::Instant::now() < until => {
+                    std::thread::yield_now()
+                }
                 Err(crossbeam_channel::TryRecvError::Empty) => break,
             }
         }

@@ -76,7 +76,10 @@ impl CompletionCounter {
             while self.done() < n {
                 if self.wake.wait_until(&mut guard, deadline).timed_out() && self.done() < n {
                     self.sleeping.store(false, Ordering::Release);
-                    return Err(FabricError::Timeout(format!("{} of {n} requests finished within {timeout:?}", self.done())));
+                    return Err(FabricError::Timeout(format!(
+                        "{} of {n} requests finished within {timeout:?}",
+                        self.done()
+                    )));
                 }
             }
             self.sleeping.store(false, Ordering::Release);

@@ -158,7 +158,12 @@ mod tests {
             base: 0x7000_0000,
             len: 4096,
             kind: MemoryKind::Host,
-            keys: owner.domains.iter().enumerate().map(|(i, a)| DomainKey { address: a.clone(), key: i as u64 + 1, remote_base: 0 }).collect(),
+            keys: owner
+                .domains
+                .iter()
+                .enumerate()
+                .map(|(i, a)| DomainKey { address: a.clone(), key: i as u64 + 1, remote_base: 0 })
+                .collect(),
             owner,
             cuda: None,
         }
@@ -212,7 +217,10 @@ mod tests {
     fn every_truncation_and_single_byte_corruption_is_an_error_not_a_crash() {
         let bytes = sample().to_bytes();
         for cut in 0..bytes.len() {
-            assert!(matches!(MrDescriptor::from_bytes(&bytes[..cut]), Err(FabricError::InvalidDescriptor(_))), "cut {cut}");
+            assert!(
+                matches!(MrDescriptor::from_bytes(&bytes[..cut]), Err(FabricError::InvalidDescriptor(_))),
+                "cut {cut}"
+            );
         }
         let mut extended = bytes.clone();
         extended.push(0);

@@ -17,8 +17,8 @@ use crate::address::{local_host_id, local_process_id, DomainAddress, EngineAddre
 use crate::callback::CallbackThread;
 use crate::config::EngineConfig;
 use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
-use crate::gpu::{GpuFlag, UvmWatcher, WatcherCallback, Watchers};
 use crate::error::{FabricError, Result};
+use crate::gpu::{GpuFlag, UvmWatcher, WatcherCallback, Watchers};
 use crate::imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 use crate::worker::{self, Command, OnDone, RecvCallback, SendCommand, Target, Transfer};
 
@@ -213,7 +213,12 @@ impl TransferEngine {
     /// # Safety
     /// The memory must stay allocated until [`TransferEngine::unregister_memory`] returns (or
     /// the engine is stopped).
-    pub unsafe fn register_memory(&self, ptr: *mut u8, len: usize, kind: MemoryKind) -> Result<(MrHandle, MrDescriptor)> {
+    pub unsafe fn register_memory(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+    ) -> Result<(MrHandle, MrDescriptor)> {
         if ptr.is_null() {
             return Err(FabricError::InvalidArgument("cannot register a null pointer".into()));
         }
@@ -287,7 +292,11 @@ impl TransferEngine {
             kind,
             owner: self.address.clone(),
             keys: Vec::new(),
-            cuda: Some(CudaIpc { handle: export.handle.0.to_vec(), offset: export.offset, alloc_len: export.alloc_len as u64 }),
+            cuda: Some(CudaIpc {
+                handle: export.handle.0.to_vec(),
+                offset: export.offset,
+                alloc_len: export.alloc_len as u64,
+            }),
         };
         Ok((MrHandle(region), descriptor))
     }
@@ -320,7 +329,13 @@ impl TransferEngine {
         if self.stopped.load(Ordering::Acquire) {
             return Err(FabricError::Stopped);
         }
-        self.watchers.alloc(device, self.config.uvm_watcher_cpu, self.config.poll_mode, self.callbacks.queue(), callback)
+        self.watchers.alloc(
+            device,
+            self.config.uvm_watcher_cpu,
+            self.config.poll_mode,
+            self.callbacks.queue(),
+            callback,
+        )
     }
 
     /// Allocates a GPU flag on `device` (a word kernels poll; set from the CPU or by an
@@ -332,7 +347,14 @@ impl TransferEngine {
     /// Stores `value` into `flag` once `imm` has arrived `n` times (no Python involved; the
     /// store runs on the engine's callback thread right after the count is reached). Then
     /// `on_reached`, if given, runs.
-    pub fn set_imm_count_expected_flag(&self, imm: u32, n: u64, flag: GpuFlag, value: u64, on_reached: Option<OnReached>) -> Result<()> {
+    pub fn set_imm_count_expected_flag(
+        &self,
+        imm: u32,
+        n: u64,
+        flag: GpuFlag,
+        value: u64,
+        on_reached: Option<OnReached>,
+    ) -> Result<()> {
         self.set_imm_count_expected(
             imm,
             n,
@@ -381,7 +403,11 @@ impl TransferEngine {
                 self.config.max_message_size
             )));
         }
-        self.command(Command::Send(SendCommand { peer: peer.domains[0].endpoint.clone(), data, on_done: crate::completion::Notify::Callback(on_done) }))
+        self.command(Command::Send(SendCommand {
+            peer: peer.domains[0].endpoint.clone(),
+            data,
+            on_done: crate::completion::Notify::Callback(on_done),
+        }))
     }
 
     /// Installs the callback for received messages (`None` keeps messages until one is set).

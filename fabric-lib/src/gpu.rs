@@ -160,7 +160,11 @@ pub(crate) struct WatcherThread {
 
 impl WatcherThread {
     fn spawn(device: usize, cpu: Option<usize>, poll_mode: PollMode, callbacks: CallbackQueue) -> Result<Arc<Self>> {
-        let shared = Arc::new(WatcherShared { slots: Mutex::new(Vec::new()), generation: AtomicU64::new(0), stop: AtomicBool::new(false) });
+        let shared = Arc::new(WatcherShared {
+            slots: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
         let s = shared.clone();
         let handle = std::thread::Builder::new()
             .name(format!("fabric-uvm-{device}"))

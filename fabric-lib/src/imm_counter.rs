@@ -166,9 +166,7 @@ impl ImmCounterTable {
                 if count >= n {
                     break Ok(());
                 }
-                break Err(FabricError::Timeout(format!(
-                    "immediate {imm}: counted {count} of {n} within {timeout:?}"
-                )));
+                break Err(FabricError::Timeout(format!("immediate {imm}: counted {count} of {n} within {timeout:?}")));
             }
         };
         let slot = inner.slots.entry(imm).or_default();
@@ -211,7 +209,15 @@ mod tests {
         run(t.add_batch(&[(7, 3)]));
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
-        let due = t.set_expected(7, 2, Box::new(move || { h.fetch_add(1, Ordering::SeqCst); })).unwrap();
+        let due = t
+            .set_expected(
+                7,
+                2,
+                Box::new(move || {
+                    h.fetch_add(1, Ordering::SeqCst);
+                }),
+            )
+            .unwrap();
         due.expect("already reached")();
         assert_eq!(hits.load(Ordering::SeqCst), 1);
         assert_eq!(t.value(7), 1);
@@ -222,7 +228,16 @@ mod tests {
         let t = ImmCounterTable::new();
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
-        assert!(t.set_expected(1, 4, Box::new(move || { h.fetch_add(1, Ordering::SeqCst); })).unwrap().is_none());
+        assert!(t
+            .set_expected(
+                1,
+                4,
+                Box::new(move || {
+                    h.fetch_add(1, Ordering::SeqCst);
+                })
+            )
+            .unwrap()
+            .is_none());
         for _ in 0..3 {
             run(t.add_batch(&[(1, 1)]));
         }
@@ -246,7 +261,14 @@ mod tests {
         let t = ImmCounterTable::new();
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
-        t.set_expected(5, 2, Box::new(move || { h.fetch_add(1, Ordering::SeqCst); })).unwrap();
+        t.set_expected(
+            5,
+            2,
+            Box::new(move || {
+                h.fetch_add(1, Ordering::SeqCst);
+            }),
+        )
+        .unwrap();
         run(t.add_batch(&[(5, 1)]));
         assert_eq!(t.remove(5), 1);
         run(t.add_batch(&[(5, 5)]));
@@ -289,7 +311,14 @@ mod tests {
         let t = Arc::new(ImmCounterTable::new());
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
-        t.set_expected(0, 40_000, Box::new(move || { h.fetch_add(1, Ordering::SeqCst); })).unwrap();
+        t.set_expected(
+            0,
+            40_000,
+            Box::new(move || {
+                h.fetch_add(1, Ordering::SeqCst);
+            }),
+        )
+        .unwrap();
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let t = t.clone();

@@ -71,7 +71,8 @@ pub fn parse_cpu_list(text: &str) -> Vec<usize> {
 fn pci_device(root: &Path, device_link: &Path) -> Option<PciDevice> {
     let path = fs::canonicalize(device_link).ok()?;
     let bus_id = path.file_name()?.to_string_lossy().into_owned();
-    let numa_node = read_trim(&path.join("numa_node")).and_then(|n| n.parse::<i64>().ok()).and_then(|n| u32::try_from(n).ok());
+    let numa_node =
+        read_trim(&path.join("numa_node")).and_then(|n| n.parse::<i64>().ok()).and_then(|n| u32::try_from(n).ok());
     let _ = root;
     Some(PciDevice { bus_id, path, numa_node })
 }
@@ -114,9 +115,18 @@ pub fn detect(root: &Path) -> Topology {
         .enumerate()
         .map(|(i, gpu)| {
             let best = nics.iter().map(|n| shared_depth(&n.pci.path, &gpu.path)).max().unwrap_or(0);
-            let close: Vec<String> =
-                nics.iter().filter(|n| best > 0 && shared_depth(&n.pci.path, &gpu.path) == best).map(|n| n.name.clone()).collect();
-            DeviceTopology { device: format!("cuda:{i}"), numa_node: gpu.numa_node, cpus: cpus_of(gpu.numa_node), nics: close, pci: Some(gpu) }
+            let close: Vec<String> = nics
+                .iter()
+                .filter(|n| best > 0 && shared_depth(&n.pci.path, &gpu.path) == best)
+                .map(|n| n.name.clone())
+                .collect();
+            DeviceTopology {
+                device: format!("cuda:{i}"),
+                numa_node: gpu.numa_node,
+                cpus: cpus_of(gpu.numa_node),
+                nics: close,
+                pci: Some(gpu),
+            }
         })
         .collect();
     let host_numa = nics.first().and_then(|n| n.pci.numa_node);

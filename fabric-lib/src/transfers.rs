@@ -12,10 +12,10 @@ use crate::address::EngineAddress;
 use crate::completion::{CompletionCounter, Notify};
 use crate::descriptor::{check_range, MemoryKind, MrDescriptor};
 use crate::engine::{MrHandle, TransferEngine};
-use crate::provider::local::{LocalCopy, LocalDst};
-use crate::worker::{LocalTransfer, Target};
 use crate::error::{FabricError, Result};
+use crate::provider::local::{LocalCopy, LocalDst};
 use crate::sharding::{plan_imms, split_bytes, DomainChoice, Shard};
+use crate::worker::{LocalTransfer, Target};
 use crate::worker::{OnDone, Transfer, SCRATCH_REGION};
 
 /// One single write: `len` bytes from a local region to a peer's region, optionally with an
@@ -108,7 +108,15 @@ impl TransferEngine {
         }))
     }
 
-    fn submit_local(&self, src: MrHandle, dst: &MrDescriptor, local: LocalDst, copy: LocalCopy, imm: Option<u32>, on_done: Notify) -> Result<()> {
+    fn submit_local(
+        &self,
+        src: MrHandle,
+        dst: &MrDescriptor,
+        local: LocalDst,
+        copy: LocalCopy,
+        imm: Option<u32>,
+        on_done: Notify,
+    ) -> Result<()> {
         let imm = match imm {
             Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
             None => None,
@@ -145,7 +153,8 @@ impl TransferEngine {
         let target = match route {
             Route::Network(t) => t,
             Route::Local(local) => {
-                let copy = LocalCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
+                let copy =
+                    LocalCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
                 return self.submit_local(req.src, req.dst, local, copy, req.imm, on_done);
             }
         };
@@ -235,7 +244,13 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &[req.imm]);
-        self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done: Notify::Callback(on_done) })
+        self.submit_transfer(Transfer {
+            region: req.src.0,
+            targets: vec![target],
+            shards,
+            deferred,
+            on_done: Notify::Callback(on_done),
+        })
     }
 
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
@@ -258,10 +273,23 @@ impl TransferEngine {
         let n = self.num_domains();
         let start = self.rotate(targets.len());
         let mut shards: Vec<Shard> = (0..targets.len())
-            .map(|p| Shard { peer: p as u32, domain: ((start + p) % n) as u16, src_offset: 0, len: 0, dst_offset: 0, imm: None })
+            .map(|p| Shard {
+                peer: p as u32,
+                domain: ((start + p) % n) as u16,
+                src_offset: 0,
+                len: 0,
+                dst_offset: 0,
+                imm: None,
+            })
             .collect();
         let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
-        self.submit_transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done: Notify::Callback(on_done) })
+        self.submit_transfer(Transfer {
+            region: SCRATCH_REGION,
+            targets,
+            shards,
+            deferred,
+            on_done: Notify::Callback(on_done),
+        })
     }
 
     /// Registers a set of peer engines for scatters and barriers.
@@ -315,7 +343,9 @@ impl TransferEngine {
             t.dst.check_range(t.dst_offset, t.len)?;
             if let Some(members) = &members {
                 if !members.contains(&t.dst.owner) {
-                    return Err(FabricError::InvalidArgument(format!("scatter target {p} is not a member of the peer group")));
+                    return Err(FabricError::InvalidArgument(format!(
+                        "scatter target {p} is not a member of the peer group"
+                    )));
                 }
             }
             resolved.push(self.region_target(t.dst)?);
@@ -333,7 +363,13 @@ impl TransferEngine {
             }));
         }
         let deferred = plan_imms(&mut shards, &vec![imm; targets.len()]);
-        self.submit_transfer(Transfer { region: src.0, targets: resolved, shards, deferred, on_done: Notify::Callback(on_done) })
+        self.submit_transfer(Transfer {
+            region: src.0,
+            targets: resolved,
+            shards,
+            deferred,
+            on_done: Notify::Callback(on_done),
+        })
     }
 
     /// Sends `imm` to every member of `group` (each member counts it once).

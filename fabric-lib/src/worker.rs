@@ -13,10 +13,10 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvErro
 use crate::callback::CallbackQueue;
 use crate::completion::Notify;
 use crate::config::{EngineConfig, PollMode};
+use crate::descriptor::MemoryKind;
 use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
-use crate::descriptor::MemoryKind;
 use crate::provider::libfabric::{Completion, LocalMr, OpContext, OpKind, Posted};
 use crate::provider::local::{LocalChannel, LocalCopy, LocalDone, LocalDst, LocalSrc};
 use crate::sharding::{DeferredImm, Shard};
@@ -67,8 +67,18 @@ pub(crate) struct SendCommand {
 
 pub(crate) enum Command {
     /// `network: false` records the region for same-host use only (GPU memory without FI_HMEM).
-    Register { region: u64, ptr: usize, len: usize, kind: MemoryKind, network: bool, reply: Sender<Result<Vec<(u64, u64)>>> },
-    Unregister { region: u64, reply: Sender<Result<()>> },
+    Register {
+        region: u64,
+        ptr: usize,
+        len: usize,
+        kind: MemoryKind,
+        network: bool,
+        reply: Sender<Result<Vec<(u64, u64)>>>,
+    },
+    Unregister {
+        region: u64,
+        reply: Sender<Result<()>>,
+    },
     Transfer(Transfer),
     Local(LocalTransfer),
     Send(SendCommand),
@@ -110,8 +120,21 @@ struct Request {
 
 #[derive(Clone, Copy)]
 enum Op {
-    Write { region: u64, ptr: usize, len: usize, dest: u64, remote_addr: u64, key: u64, imm: Option<u32>, delivery: bool },
-    Send { slot: usize, len: usize, dest: u64 },
+    Write {
+        region: u64,
+        ptr: usize,
+        len: usize,
+        dest: u64,
+        remote_addr: u64,
+        key: u64,
+        imm: Option<u32>,
+        delivery: bool,
+    },
+    Send {
+        slot: usize,
+        len: usize,
+        dest: u64,
+    },
 }
 
 impl Op {
@@ -217,7 +240,12 @@ struct Worker {
 }
 
 impl Worker {
-    fn open(config: &EngineConfig, rx: Receiver<Command>, imm: Arc<ImmCounterTable>, callbacks: CallbackQueue) -> Result<Self> {
+    fn open(
+        config: &EngineConfig,
+        rx: Receiver<Command>,
+        imm: Arc<ImmCounterTable>,
+        callbacks: CallbackQueue,
+    ) -> Result<Self> {
         let domains = config
             .provider
             .specs()
@@ -227,7 +255,9 @@ impl Worker {
             .collect::<Result<Vec<_>>>()?;
         let providers: HashSet<String> = domains.iter().map(|d| d.domain.provider_name()).collect();
         if providers.len() != 1 {
-            return Err(FabricError::InvalidArgument(format!("all domains of a device must use one provider, got {providers:?}")));
+            return Err(FabricError::InvalidArgument(format!(
+                "all domains of a device must use one provider, got {providers:?}"
+            )));
         }
         let recv_contexts = domains
             .iter()
@@ -366,7 +396,13 @@ impl Worker {
     }
 
     /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
-    fn dest(&mut self, cache: &mut HashMap<(u32, u16), u64>, targets: &[Target], peer: u32, domain: u16) -> Result<u64> {
+    fn dest(
+        &mut self,
+        cache: &mut HashMap<(u32, u16), u64>,
+        targets: &[Target],
+        peer: u32,
+        domain: u16,
+    ) -> Result<u64> {
         if let Some(d) = cache.get(&(peer, domain)) {
             return Ok(*d);
         }
@@ -416,7 +452,16 @@ impl Worker {
                 Some(b) => b + s.src_offset as usize,
                 None => self.domains[domain].scratch.slot_ptr(0) as usize,
             };
-            let op = Op::Write { region, ptr, len: s.len as usize, dest, remote_addr: remote_base + s.dst_offset, key, imm: s.imm, delivery };
+            let op = Op::Write {
+                region,
+                ptr,
+                len: s.len as usize,
+                dest,
+                remote_addr: remote_base + s.dst_offset,
+                key,
+                imm: s.imm,
+                delivery,
+            };
             self.post_or_queue(domain, PendingPost { request: id, op });
         }
     }
@@ -515,7 +560,11 @@ impl Worker {
         let posted = unsafe {
             match post.op {
                 Op::Write { region, ptr, len, dest, remote_addr, key, imm, delivery } => {
-                    let desc = if region == SCRATCH_REGION { d.scratch.desc() } else { self.regions[&region].mrs[domain].desc() };
+                    let desc = if region == SCRATCH_REGION {
+                        d.scratch.desc()
+                    } else {
+                        self.regions[&region].mrs[domain].desc()
+                    };
                     d.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm, delivery, context)
                 }
                 Op::Send { slot, len, dest } => {
@@ -737,7 +786,16 @@ impl Worker {
             for (d, dest, key, remote_base) in deferred {
                 let domain = d.domain as usize;
                 let ptr = self.domains[domain].scratch.slot_ptr(0) as usize;
-                let op = Op::Write { region: SCRATCH_REGION, ptr, len: 0, dest, remote_addr: remote_base, key, imm: Some(d.imm), delivery: false };
+                let op = Op::Write {
+                    region: SCRATCH_REGION,
+                    ptr,
+                    len: 0,
+                    dest,
+                    remote_addr: remote_base,
+                    key,
+                    imm: Some(d.imm),
+                    delivery: false,
+                };
                 self.post_or_queue(domain, PendingPost { request, op });
             }
             return;

@@ -2,7 +2,10 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fabric_lib::{DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine, WriteRequest};
+use fabric_lib::{
+    DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine,
+    WriteRequest,
+};
 
 fn engine(provider: &str) -> TransferEngine {
     let config = EngineConfig {
@@ -40,7 +43,15 @@ fn write_imm_and_message(provider: &str) {
     let chunk = (1u64 << 20) / n_writes;
     for i in 0..n_writes {
         let tx = tx.clone();
-        let req = WriteRequest { src: src_h, src_offset: i * chunk, len: chunk, dst: &dst_desc, dst_offset: i * chunk, imm: Some(42), domains: DomainChoice::Shard(1) };
+        let req = WriteRequest {
+            src: src_h,
+            src_offset: i * chunk,
+            len: chunk,
+            dst: &dst_desc,
+            dst_offset: i * chunk,
+            imm: Some(42),
+            domains: DomainChoice::Shard(1),
+        };
         a.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
     }
     b.wait_imm_count(42, n_writes, Duration::from_secs(20)).unwrap();
@@ -61,7 +72,15 @@ fn write_imm_and_message(provider: &str) {
     wait(&rx);
     assert_eq!(mrx.recv_timeout(Duration::from_secs(20)).unwrap(), b"hello fabric");
 
-    let bad = WriteRequest { src: src_h, src_offset: 1, len: 1 << 20, dst: &dst_desc, dst_offset: 0, imm: None, domains: DomainChoice::Shard(1) };
+    let bad = WriteRequest {
+        src: src_h,
+        src_offset: 1,
+        len: 1 << 20,
+        dst: &dst_desc,
+        dst_offset: 0,
+        imm: None,
+        domains: DomainChoice::Shard(1),
+    };
     assert!(matches!(a.submit_write(&bad, Box::new(|_| {})), Err(FabricError::InvalidArgument(_))));
     a.stop();
     a.stop();
@@ -115,7 +134,15 @@ fn two_domains_shard_and_count_one_imm_per_request() {
     };
 
     // Sharded single write: 1 MiB + 3 over both domains, one imm.
-    let req = WriteRequest { src: src_h, src_offset: 5, len: (1 << 20) + 3, dst: &desc_b, dst_offset: 7, imm: Some(1), domains: DomainChoice::Shard(2) };
+    let req = WriteRequest {
+        src: src_h,
+        src_offset: 5,
+        len: (1 << 20) + 3,
+        dst: &desc_b,
+        dst_offset: 7,
+        imm: Some(1),
+        domains: DomainChoice::Shard(2),
+    };
     a.submit_write(&req, done(&tx)).unwrap();
     wait(&rx);
     b.wait_imm_count(1, 1, Duration::from_secs(20)).unwrap();
@@ -125,8 +152,16 @@ fn two_domains_shard_and_count_one_imm_per_request() {
     let src_pages: Vec<u32> = (0..64).collect();
     let dst_pages: Vec<u32> = (0..64).rev().collect();
     let paged = fabric_lib::PagedWriteRequest {
-        page_len: 4096, src: src_h, src_pages: &src_pages, src_stride: 4096, src_offset: 1,
-        dst: &desc_c, dst_pages: &dst_pages, dst_stride: 8192, dst_offset: 3, imm: Some(2),
+        page_len: 4096,
+        src: src_h,
+        src_pages: &src_pages,
+        src_stride: 4096,
+        src_offset: 1,
+        dst: &desc_c,
+        dst_pages: &dst_pages,
+        dst_stride: 8192,
+        dst_offset: 3,
+        imm: Some(2),
     };
     a.submit_paged_writes(&paged, done(&tx)).unwrap();
     wait(&rx);

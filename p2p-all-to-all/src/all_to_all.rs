@@ -2,9 +2,7 @@
 //! four launches (dispatch send/recv, combine send/recv) on a caller-provided stream.
 use std::sync::{atomic::Ordering, Arc};
 
-use cuda_lib::{
-    ipc_export, Context, DeviceBuffer, IpcMapping, IpcMemHandle, PinnedHostBuffer, Stream,
-};
+use cuda_lib::{ipc_export, Context, DeviceBuffer, IpcMapping, IpcMemHandle, PinnedHostBuffer, Stream};
 
 use crate::{
     config::{Config, DispatchDtype, THREADS},
@@ -12,8 +10,8 @@ use crate::{
     kernels::Kernels,
     layout::{Layout, HOST_COUNTS_OFFSET, HOST_SEQ_OFFSET, MAX_GRID, NUM_ERROR_WORDS},
     params::{
-        CombineParams, CombineRecvParams, CombineSendParams, Common, DispatchParams,
-        DispatchRecvParams, DispatchSendParams,
+        CombineParams, CombineRecvParams, CombineSendParams, Common, DispatchParams, DispatchRecvParams,
+        DispatchSendParams,
     },
 };
 
@@ -169,9 +167,7 @@ impl AllToAll {
         let dispatch_grid = 2 * sms;
         let combine_grid = sms.max(cfg.world_size as u32);
         if dispatch_grid as usize > MAX_GRID || combine_grid as usize > MAX_GRID {
-            return Err(invalid!(
-                "{sms} multiprocessors: more blocks per launch than {MAX_GRID}"
-            ));
+            return Err(invalid!("{sms} multiprocessors: more blocks per launch than {MAX_GRID}"));
         }
         let chunk = cfg.max_num_tokens.div_ceil(dispatch_grid as usize);
         let send_shared = 4 * (2 * cfg.num_experts + chunk * cfg.experts_per_token);
@@ -186,9 +182,7 @@ impl AllToAll {
         let layout = Layout::new(&cfg);
         let kernels = Kernels::load(&ctx)?;
         let tma = std::env::var(ENV_TMA).is_ok_and(|v| v.trim() == "1")
-            && kernels
-                .set_max_dynamic_shared(kernels.dispatch, DISPATCH_MAX_DYNAMIC_SHARED as u32)
-                .is_ok();
+            && kernels.set_max_dynamic_shared(kernels.dispatch, DISPATCH_MAX_DYNAMIC_SHARED as u32).is_ok();
         let shared = DeviceBuffer::new(&ctx, layout.shared_bytes)?;
         let state = DeviceBuffer::new(&ctx, layout.state_bytes)?;
         let host = PinnedHostBuffer::new(&ctx, layout.host_bytes)?;
@@ -336,9 +330,7 @@ impl AllToAll {
     }
 
     fn common(&self) -> Result<Common> {
-        self.common.ok_or_else(|| {
-            A2aError::NotConnected("call connect() with every rank's handle first".into())
-        })
+        self.common.ok_or_else(|| A2aError::NotConnected("call connect() with every rank's handle first".into()))
     }
 
     fn dispatch_send_params(&self, a: &DispatchSend) -> Result<DispatchSendParams> {
@@ -346,19 +338,12 @@ impl AllToAll {
         let cfg = &self.cfg;
         let data = cfg.data_bytes() as u64;
         if a.num_tokens > cfg.max_num_tokens {
-            return Err(invalid!(
-                "{} tokens exceed max_num_tokens {}",
-                a.num_tokens,
-                cfg.max_num_tokens
-            ));
+            return Err(invalid!("{} tokens exceed max_num_tokens {}", a.num_tokens, cfg.max_num_tokens));
         }
         if a.num_tokens > 0 {
             check_ptr("x", a.x, 16)?;
             if a.x_stride % 16 != 0 || a.x_stride < data {
-                return Err(invalid!(
-                    "x row stride {} must be a multiple of 16 and >= {data}",
-                    a.x_stride
-                ));
+                return Err(invalid!("x row stride {} must be a multiple of 16 and >= {data}", a.x_stride));
             }
             check_ptr("indices", a.indices, if a.indices_are_i64 { 8 } else { 4 })?;
             if a.indices_stride < cfg.experts_per_token as u64 {
@@ -406,17 +391,10 @@ impl AllToAll {
         check_ptr("out_counts", a.out_counts, 4)?;
         match self.cfg.dispatch_dtype {
             DispatchDtype::Fp8E4m3 => check_ptr("out_scales", a.out_scales, 4)?,
-            DispatchDtype::Bf16 if a.out_scales != 0 => {
-                return Err(invalid!("out_scales are only for fp8 dispatch"))
-            }
+            DispatchDtype::Bf16 if a.out_scales != 0 => return Err(invalid!("out_scales are only for fp8 dispatch")),
             DispatchDtype::Bf16 => {}
         }
-        let p = DispatchRecvParams {
-            c,
-            out_x: a.out_x,
-            out_scales: a.out_scales,
-            out_counts: a.out_counts,
-        };
+        let p = DispatchRecvParams { c, out_x: a.out_x, out_scales: a.out_scales, out_counts: a.out_counts };
         Ok(p)
     }
 
@@ -448,27 +426,15 @@ impl AllToAll {
         let c = self.common()?;
         let row = 2 * self.cfg.hidden as u64;
         if a.num_rows > self.cfg.max_num_tokens {
-            return Err(invalid!(
-                "{} rows exceed max_num_tokens {}",
-                a.num_rows,
-                self.cfg.max_num_tokens
-            ));
+            return Err(invalid!("{} rows exceed max_num_tokens {}", a.num_rows, self.cfg.max_num_tokens));
         }
         if a.num_rows > 0 {
             check_ptr("out", a.out, 16)?;
             if a.out_stride % 16 != 0 || a.out_stride < row {
-                return Err(invalid!(
-                    "out row stride {} must be a multiple of 16 and >= {row}",
-                    a.out_stride
-                ));
+                return Err(invalid!("out row stride {} must be a multiple of 16 and >= {row}", a.out_stride));
             }
         }
-        let p = CombineRecvParams {
-            c,
-            out: a.out,
-            out_stride: a.out_stride,
-            num_rows: a.num_rows as u64,
-        };
+        let p = CombineRecvParams { c, out: a.out, out_stride: a.out_stride, num_rows: a.num_rows as u64 };
         Ok(p)
     }
 
@@ -500,16 +466,7 @@ impl AllToAll {
     pub unsafe fn dispatch_recv(&self, stream: u64, a: &DispatchRecv) -> Result<()> {
         let p = self.dispatch_recv_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.dispatch_recv,
-                self.dispatch_grid,
-                THREADS,
-                0,
-                stream,
-                &p,
-            )
-        }
+        unsafe { self.kernels.launch(self.kernels.dispatch_recv, self.dispatch_grid, THREADS, 0, stream, &p) }
     }
 
     /// Enqueues combine's send half on `stream`.
@@ -520,16 +477,7 @@ impl AllToAll {
     pub unsafe fn combine_send(&self, stream: u64, a: &CombineSend) -> Result<()> {
         let p = self.combine_send_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.combine_send,
-                self.combine_grid,
-                THREADS,
-                0,
-                stream,
-                &p,
-            )
-        }
+        unsafe { self.kernels.launch(self.kernels.combine_send, self.combine_grid, THREADS, 0, stream, &p) }
     }
 
     /// Enqueues combine's receive half on `stream`.
@@ -539,16 +487,7 @@ impl AllToAll {
     pub unsafe fn combine_recv(&self, stream: u64, a: &CombineRecv) -> Result<()> {
         let p = self.combine_recv_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.combine_recv,
-                self.combine_grid,
-                THREADS,
-                0,
-                stream,
-                &p,
-            )
-        }
+        unsafe { self.kernels.launch(self.kernels.combine_recv, self.combine_grid, THREADS, 0, stream, &p) }
     }
 
     /// Enqueues both halves of dispatch as one kernel (what [`AllToAll::dispatch_send`] then
@@ -556,12 +495,7 @@ impl AllToAll {
     ///
     /// # Safety
     /// As for both halves.
-    pub unsafe fn dispatch(
-        &self,
-        stream: u64,
-        send: &DispatchSend,
-        recv: &DispatchRecv,
-    ) -> Result<()> {
+    pub unsafe fn dispatch(&self, stream: u64, send: &DispatchSend, recv: &DispatchRecv) -> Result<()> {
         let send_warps = self.dispatch_send_warps(send.num_tokens);
         let tma_smem = self.dispatch_tma_smem(send, send_warps);
         let shared = match tma_smem {
@@ -575,44 +509,21 @@ impl AllToAll {
             tma_smem: tma_smem.unwrap_or(0) as u64,
         };
         // SAFETY: as for the halves.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.dispatch,
-                self.dispatch_grid,
-                THREADS,
-                shared as u32,
-                stream,
-                &p,
-            )
-        }
+        unsafe { self.kernels.launch(self.kernels.dispatch, self.dispatch_grid, THREADS, shared as u32, stream, &p) }
     }
 
     /// Enqueues both halves of combine as one kernel.
     ///
     /// # Safety
     /// As for both halves.
-    pub unsafe fn combine(
-        &self,
-        stream: u64,
-        send: &CombineSend,
-        recv: &CombineRecv,
-    ) -> Result<()> {
+    pub unsafe fn combine(&self, stream: u64, send: &CombineSend, recv: &CombineRecv) -> Result<()> {
         let p = CombineParams {
             send: self.combine_send_params(send)?,
             recv: self.combine_recv_params(recv)?,
             send_warps: self.combine_send_warps(recv.num_rows) as u64,
         };
         // SAFETY: as for the halves.
-        unsafe {
-            self.kernels.launch(
-                self.kernels.combine,
-                self.combine_grid,
-                THREADS,
-                0,
-                stream,
-                &p,
-            )
-        }
+        unsafe { self.kernels.launch(self.kernels.combine, self.combine_grid, THREADS, 0, stream, &p) }
     }
 
     /// Sending warps per block of a fused dispatch of `num_tokens` rows: all of them (send, then
@@ -634,8 +545,7 @@ impl AllToAll {
     /// their records fit, and rows of values and scales are whole 16-byte vectors.
     fn dispatch_tma_smem(&self, send: &DispatchSend, send_warps: u32) -> Option<usize> {
         let scales = self.cfg.num_scales();
-        let scales_ok = scales == 0
-            || (scales % 4 == 0 && send.scales % 16 == 0 && send.scales_stride % 16 == 0);
+        let scales_ok = scales == 0 || (scales % 4 == 0 && send.scales % 16 == 0 && send.scales_stride % 16 == 0);
         (self.tma
             && send_warps < WARPS
             && send.num_tokens > 0
@@ -649,12 +559,7 @@ impl AllToAll {
     /// Sending warps per block of a fused combine of `num_rows` tokens (see
     /// [`AllToAll::dispatch_send_warps`]).
     pub fn combine_send_warps(&self, num_rows: usize) -> u32 {
-        self.combine_send_warps
-            .unwrap_or(if num_rows >= COMBINE_STREAM_TOKENS {
-                COMBINE_STREAM_WARPS
-            } else {
-                WARPS
-            })
+        self.combine_send_warps.unwrap_or(if num_rows >= COMBINE_STREAM_TOKENS { COMBINE_STREAM_WARPS } else { WARPS })
     }
 
     /// Errors reported by kernels so far (bits of [`device_error`]); read without synchronizing,
@@ -676,16 +581,9 @@ impl AllToAll {
     /// The per-expert row counts of the last dispatch that published them (and its sequence
     /// number): the hook a CPU proxy for remote ranks starts from.
     pub fn host_counts(&self) -> (u64, Vec<u32>) {
-        let seq = self
-            .host
-            .atomic_u64(HOST_SEQ_OFFSET / 8)
-            .load(Ordering::Acquire);
+        let seq = self.host.atomic_u64(HOST_SEQ_OFFSET / 8).load(Ordering::Acquire);
         let counts = (0..self.cfg.num_experts)
-            .map(|e| {
-                self.host
-                    .atomic_u32(HOST_COUNTS_OFFSET / 4 + e)
-                    .load(Ordering::Acquire)
-            })
+            .map(|e| self.host.atomic_u32(HOST_COUNTS_OFFSET / 4 + e).load(Ordering::Acquire))
             .collect();
         (seq, counts)
     }
@@ -693,9 +591,7 @@ impl AllToAll {
 
 fn check_ptr(what: &str, ptr: u64, align: u64) -> Result<()> {
     if ptr == 0 || ptr % align != 0 {
-        return Err(invalid!(
-            "{what} address {ptr:#x} must be non-null and {align}-byte aligned"
-        ));
+        return Err(invalid!("{what} address {ptr:#x} must be non-null and {align}-byte aligned"));
     }
     Ok(())
 }

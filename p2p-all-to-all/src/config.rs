@@ -81,29 +81,19 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         let (w, e, k) = (self.world_size, self.num_experts, self.experts_per_token);
         if w == 0 || w > MAX_PEERS {
-            return Err(invalid!(
-                "world_size {w} must be in 1..={MAX_PEERS} (one NVLink domain)"
-            ));
+            return Err(invalid!("world_size {w} must be in 1..={MAX_PEERS} (one NVLink domain)"));
         }
         if self.rank >= w {
             return Err(invalid!("rank {} must be below world_size {w}", self.rank));
         }
         if e == 0 || e > MAX_EXPERTS || e % w != 0 {
-            return Err(invalid!(
-                "num_experts {e} must be in 1..={MAX_EXPERTS} and a multiple of world_size {w}"
-            ));
+            return Err(invalid!("num_experts {e} must be in 1..={MAX_EXPERTS} and a multiple of world_size {w}"));
         }
         if k == 0 || k > MAX_TOPK || k > e {
-            return Err(invalid!(
-                "experts_per_token {k} must be in 1..={} (and at most num_experts)",
-                MAX_TOPK.min(e)
-            ));
+            return Err(invalid!("experts_per_token {k} must be in 1..={} (and at most num_experts)", MAX_TOPK.min(e)));
         }
         if self.max_num_tokens == 0 || self.max_num_tokens > MAX_TOKENS {
-            return Err(invalid!(
-                "max_num_tokens {} must be in 1..={MAX_TOKENS}",
-                self.max_num_tokens
-            ));
+            return Err(invalid!("max_num_tokens {} must be in 1..={MAX_TOKENS}", self.max_num_tokens));
         }
         let need = match self.dispatch_dtype {
             DispatchDtype::Bf16 => 8,

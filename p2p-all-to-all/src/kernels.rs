@@ -35,10 +35,7 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(A2aError::Call {
-            call,
-            code: r as i32,
-        })
+        Err(A2aError::Call { call, code: r as i32 })
     }
 }
 
@@ -54,19 +51,11 @@ impl<'a> Current<'a> {
         // SAFETY: `cur` is a valid out pointer; the driver is loaded (a Context exists).
         check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
         if cur == ctx.raw() {
-            return Ok(Current {
-                pushed: false,
-                _ctx: PhantomData,
-            });
+            return Ok(Current { pushed: false, _ctx: PhantomData });
         }
         // SAFETY: the context is retained and live; popped again in Drop.
-        check("cuCtxPushCurrent", unsafe {
-            sys::cuCtxPushCurrent_v2(ctx.raw())
-        })?;
-        Ok(Current {
-            pushed: true,
-            _ctx: PhantomData,
-        })
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx.raw()) })?;
+        Ok(Current { pushed: true, _ctx: PhantomData })
     }
 }
 
@@ -108,19 +97,11 @@ impl Kernels {
         // The driver reads 8-byte header fields: hand it an aligned, NUL-padded copy.
         let mut aligned = vec![0u128; image.len().div_ceil(16) + 1];
         // SAFETY: `aligned` holds at least image.len() bytes; the regions do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                image.as_ptr(),
-                aligned.as_mut_ptr().cast::<u8>(),
-                image.len(),
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(image.as_ptr(), aligned.as_mut_ptr().cast::<u8>(), image.len()) };
         let _cur = Current::enter(ctx)?;
         let mut module = std::ptr::null_mut();
         // SAFETY: the context is current; the image is readable for the call.
-        check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&mut module, aligned.as_ptr().cast())
-        })?;
+        check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, aligned.as_ptr().cast()) })?;
         let mut kernels = Kernels {
             ctx: ctx.clone(),
             module,
@@ -134,9 +115,7 @@ impl Kernels {
         let get = |name: &std::ffi::CStr| -> Result<sys::CUfunction> {
             let mut f = std::ptr::null_mut();
             // SAFETY: the module is live; `name` is NUL-terminated; `f` is a valid out pointer.
-            check("cuModuleGetFunction", unsafe {
-                sys::cuModuleGetFunction(&mut f, module, name.as_ptr())
-            })?;
+            check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) })?;
             Ok(f)
         };
         kernels.dispatch_send = get(c"a2a_dispatch_send")?;
@@ -202,14 +181,11 @@ impl Drop for Kernels {
     fn drop(&mut self) {
         let result = Current::enter(&self.ctx).and_then(|_cur| {
             // SAFETY: the module came from cuModuleLoadData and is unloaded once.
-            check("cuModuleUnload", unsafe {
-                sys::cuModuleUnload(self.module)
-            })
+            check("cuModuleUnload", unsafe { sys::cuModuleUnload(self.module) })
         });
         match result {
             // Deinitialized: the process is exiting and the driver already freed everything.
-            Err(A2aError::Call { code, .. })
-                if code == sys::CUresult::CUDA_ERROR_DEINITIALIZED as i32 => {}
+            Err(A2aError::Call { code, .. }) if code == sys::CUresult::CUDA_ERROR_DEINITIALIZED as i32 => {}
             Err(e) => tracing::warn!("p2p-all-to-all: unloading the kernels: {e}"),
             Ok(()) => {}
         }

@@ -68,13 +68,8 @@ pub struct Layout {
 impl Layout {
     /// The layout for `cfg` (assumed valid).
     pub fn new(cfg: &Config) -> Self {
-        let (w, t, k, l, h) = (
-            cfg.world_size,
-            cfg.max_num_tokens,
-            cfg.experts_per_token,
-            cfg.local_experts(),
-            cfg.hidden,
-        );
+        let (w, t, k, l, h) =
+            (cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.local_experts(), cfg.hidden);
         let rec_bytes = (cfg.data_bytes() + 4 * cfg.num_scales()).div_ceil(128) * 128;
         let combine_chunks = (2 * h).div_ceil(CHUNK_BYTES);
         let mut at = 0usize;
@@ -172,15 +167,8 @@ mod tests {
             assert_eq!(l.off_cdata - l.off_data, 2 * 4 * 128 * l.rec_bytes);
             assert_eq!(l.shared_bytes - l.off_cdata, 2 * 4 * 128 * 7168);
             assert_eq!(l.off_hdr - l.off_ctf, 8 * 4 * 128 * 7);
-            let states = [
-                l.st_seq,
-                l.st_poison,
-                l.st_my_tokens,
-                l.st_recv_tokens,
-                l.st_token_mask,
-                l.st_map,
-                l.state_bytes,
-            ];
+            let states =
+                [l.st_seq, l.st_poison, l.st_my_tokens, l.st_recv_tokens, l.st_token_mask, l.st_map, l.state_bytes];
             assert!(states.windows(2).all(|p| p[0] < p[1]), "{states:?}");
         }
         let fp8 = Layout::new(&cfg(DispatchDtype::Fp8E4m3, 128));

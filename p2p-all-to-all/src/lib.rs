@@ -36,12 +36,8 @@ mod kernels;
 mod layout;
 mod params;
 
-pub use all_to_all::{
-    device_error, AllToAll, CombineRecv, CombineSend, DispatchRecv, DispatchSend,
-};
-pub use config::{
-    Config, DispatchDtype, MAX_EXPERTS, MAX_PEERS, MAX_TOKENS, MAX_TOPK, SCALE_BLOCK,
-};
+pub use all_to_all::{device_error, AllToAll, CombineRecv, CombineSend, DispatchRecv, DispatchSend};
+pub use config::{Config, DispatchDtype, MAX_EXPERTS, MAX_PEERS, MAX_TOKENS, MAX_TOPK, SCALE_BLOCK};
 pub use cuda_lib::CudaError;
 pub use error::{A2aError, Result};
 pub use kernels::{kernel_archs, kernel_image};

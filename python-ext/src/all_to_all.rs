@@ -79,10 +79,7 @@ impl PyAllToAll {
             }
         };
         if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(to_pyerr(
-                py,
-                A2aError::InvalidArgument("timeout must be a positive number of seconds".into()),
-            ));
+            return Err(to_pyerr(py, A2aError::InvalidArgument("timeout must be a positive number of seconds".into())));
         }
         let cfg = Config {
             rank,
@@ -159,11 +156,7 @@ impl PyAllToAll {
     }
 
     fn dispatch_recv(&self, py: Python<'_>, stream: u64, out_x: u64, out_scales: u64, out_counts: u64) -> PyResult<()> {
-        let a = DispatchRecv {
-            out_x,
-            out_scales,
-            out_counts,
-        };
+        let a = DispatchRecv { out_x, out_scales, out_counts };
         // SAFETY: as for dispatch_send.
         unsafe { self.inner.dispatch_recv(stream, &a) }.py(py)
     }
@@ -177,22 +170,13 @@ impl PyAllToAll {
         weights: u64,
         weights_stride: u64,
     ) -> PyResult<()> {
-        let a = CombineSend {
-            expert_out,
-            expert_out_stride,
-            weights,
-            weights_stride,
-        };
+        let a = CombineSend { expert_out, expert_out_stride, weights, weights_stride };
         // SAFETY: as for dispatch_send.
         unsafe { self.inner.combine_send(stream, &a) }.py(py)
     }
 
     fn combine_recv(&self, py: Python<'_>, stream: u64, out: u64, out_stride: u64, num_rows: usize) -> PyResult<()> {
-        let a = CombineRecv {
-            out,
-            out_stride,
-            num_rows,
-        };
+        let a = CombineRecv { out, out_stride, num_rows };
         // SAFETY: as for dispatch_send.
         unsafe { self.inner.combine_recv(stream, &a) }.py(py)
     }
@@ -231,11 +215,7 @@ impl PyAllToAll {
             num_tokens_ptr,
             publish_host_counts,
         };
-        let recv = DispatchRecv {
-            out_x,
-            out_scales,
-            out_counts,
-        };
+        let recv = DispatchRecv { out_x, out_scales, out_counts };
         // SAFETY: as for dispatch_send.
         unsafe { self.inner.dispatch(stream, &send, &recv) }.py(py)
     }
@@ -254,17 +234,8 @@ impl PyAllToAll {
         out_stride: u64,
         num_rows: usize,
     ) -> PyResult<()> {
-        let send = CombineSend {
-            expert_out,
-            expert_out_stride,
-            weights,
-            weights_stride,
-        };
-        let recv = CombineRecv {
-            out,
-            out_stride,
-            num_rows,
-        };
+        let send = CombineSend { expert_out, expert_out_stride, weights, weights_stride };
+        let recv = CombineRecv { out, out_stride, num_rows };
         // SAFETY: as for dispatch_send.
         unsafe { self.inner.combine(stream, &send, &recv) }.py(py)
     }

@@ -22,7 +22,10 @@ fn log_callback_error(py: Python<'_>, err: PyErr) {
     }
 }
 
-fn call_logged(callback: &Py<PyAny>, make_args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>) {
+fn call_logged(
+    callback: &Py<PyAny>,
+    make_args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>,
+) {
     let _ = Python::try_attach(|py| {
         let result = make_args(py).and_then(|args| callback.bind(py).call1(args));
         if let Err(err) = result {

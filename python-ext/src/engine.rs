@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use fabric_lib::{
-    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, PollMode, ProviderSpec, ScatterSharding,
-    ScatterTarget, TransferEngine, WriteRequest,
+    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, PollMode, ProviderSpec,
+    ScatterSharding, ScatterTarget, TransferEngine, WriteRequest,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -68,7 +68,9 @@ impl PyTransferEngine {
         let poll_mode = match poll_mode {
             "busy" => PollMode::Busy,
             "adaptive" => PollMode::ADAPTIVE,
-            other => return Err(PyValueError::new_err(format!("poll_mode must be 'busy' or 'adaptive', not {other:?}"))),
+            other => {
+                return Err(PyValueError::new_err(format!("poll_mode must be 'busy' or 'adaptive', not {other:?}")))
+            }
         };
         let config = EngineConfig {
             provider: ProviderSpec { provider, domains },
@@ -111,7 +113,13 @@ impl PyTransferEngine {
     /// detects host or CUDA memory (without loading CUDA when it is not loaded), -1 forces
     /// host memory, N >= 0 CUDA memory of device N.
     #[pyo3(signature = (ptr, length, device=None))]
-    fn register_memory(&self, py: Python<'_>, ptr: usize, length: usize, device: Option<i64>) -> PyResult<(u64, PyMrDescriptor)> {
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        length: usize,
+        device: Option<i64>,
+    ) -> PyResult<(u64, PyMrDescriptor)> {
         let kind = match device {
             None => fabric_lib::gpu::detect_memory_kind(ptr as u64),
             Some(d) if d < 0 => MemoryKind::Host,
@@ -119,7 +127,8 @@ impl PyTransferEngine {
         };
         // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
         // registration exists; raw-pointer callers accept that contract in the docs.
-        let (handle, desc) = py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, kind) }).py(py)?;
+        let (handle, desc) =
+            py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, kind) }).py(py)?;
         Ok((handle.0, PyMrDescriptor(desc)))
     }
 
@@ -178,7 +187,13 @@ impl PyTransferEngine {
         py.detach(|| self.engine.submit_write(&req, on_done)).py(py)
     }
 
-    fn submit_imm(&self, py: Python<'_>, imm: u32, dst: PyRef<'_, PyMrDescriptor>, callback: Py<PyAny>) -> PyResult<()> {
+    fn submit_imm(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        dst: PyRef<'_, PyMrDescriptor>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
         let dst = &dst.0;
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_imm(imm, dst, on_done)).py(py)
@@ -218,7 +233,13 @@ impl PyTransferEngine {
         py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)
     }
 
-    fn submit_imm_to(&self, py: Python<'_>, imm: u32, peer: PyRef<'_, PyEngineAddress>, callback: Py<PyAny>) -> PyResult<()> {
+    fn submit_imm_to(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        peer: PyRef<'_, PyEngineAddress>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
         let peer = &peer.0;
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_imm_to(imm, peer, on_done)).py(py)
@@ -243,7 +264,12 @@ impl PyTransferEngine {
     ) -> PyResult<()> {
         let targets: Vec<ScatterTarget<'_>> = targets
             .iter()
-            .map(|(len, src_offset, dst, dst_offset)| ScatterTarget { len: *len, src_offset: *src_offset, dst: &dst.0, dst_offset: *dst_offset })
+            .map(|(len, src_offset, dst, dst_offset)| ScatterTarget {
+                len: *len,
+                src_offset: *src_offset,
+                dst: &dst.0,
+                dst_offset: *dst_offset,
+            })
             .collect();
         let sharding = if by_bytes { ScatterSharding::ByBytes } else { ScatterSharding::ByPeer };
         let on_done = callbacks::on_done(callback);
@@ -256,7 +282,13 @@ impl PyTransferEngine {
         py.detach(|| self.engine.submit_barrier(imm, PeerGroup(group), on_done)).py(py)
     }
 
-    fn submit_send(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>, data: Vec<u8>, callback: Py<PyAny>) -> PyResult<()> {
+    fn submit_send(
+        &self,
+        py: Python<'_>,
+        peer: PyRef<'_, PyEngineAddress>,
+        data: Vec<u8>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
         let peer = &peer.0;
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_send(peer, data, on_done)).py(py)

@@ -1,7 +1,7 @@
 //! Maps `FabricError` to the Python exception classes defined in `fabric_lib.errors`.
 use fabric_lib::FabricError;
-use pyo3::prelude::*;
 use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
 
 fn class_name(e: &FabricError) -> &'static str {
     match e {

@@ -114,6 +114,12 @@ impl PyMrDescriptor {
     }
 
     fn __repr__(&self) -> String {
-        format!("MrDescriptor(base=0x{:x}, length={}, kind={}, provider={:?})", self.0.base, self.0.len, self.kind(), self.0.owner.provider)
+        format!(
+            "MrDescriptor(base=0x{:x}, length={}, kind={}, provider={:?})",
+            self.0.base,
+            self.0.len,
+            self.kind(),
+            self.0.owner.provider
+        )
     }
 }

@@ -52,8 +52,7 @@ fn main() {
         println!("cargo::rerun-if-env-changed={var}");
     }
     println!("cargo::rustc-check-cfg=cfg(cuda_kernels_missing)");
-    let manifest =
-        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let kernel_dir = manifest.join("kernels");
     println!("cargo::rerun-if-changed={}", kernel_dir.display());
@@ -81,11 +80,7 @@ fn main() {
     };
 
     // Shown by `cargo build -vv` (and kept in the build script's output file).
-    println!(
-        "cuda-lib: using nvcc {} (found via {})",
-        nvcc.path.display(),
-        nvcc.source
-    );
+    println!("cuda-lib: using nvcc {} (found via {})", nvcc.path.display(), nvcc.source);
     let version = run(&nvcc.path, &["--version"]).unwrap_or_default();
     if !version.contains(&format!("release {NVCC_RELEASE},")) {
         println!(
@@ -104,11 +99,7 @@ fn main() {
             built.push(sm);
         }
     }
-    assert!(
-        !built.is_empty(),
-        "{} supports none of {ARCHS:?}",
-        nvcc.path.display()
-    );
+    assert!(!built.is_empty(), "{} supports none of {ARCHS:?}", nvcc.path.display());
     gencode.push(format!("-gencode=arch={PTX_ARCH},code={PTX_ARCH}"));
 
     // One translation unit including every kernel file gives one fatbin.
@@ -121,17 +112,13 @@ fn main() {
     std::fs::write(&unit, body).expect("writing the kernel unit");
     let fatbin = out.join("cuda_lib_kernels.fatbin");
     let mut cmd = Command::new(&nvcc.path);
-    cmd.arg("-fatbin")
-        .args(["-O3", "-std=c++17", "--threads", "0"])
-        .args(&gencode);
+    cmd.arg("-fatbin").args(["-O3", "-std=c++17", "--threads", "0"]).args(&gencode);
     cmd.arg(format!("-I{}", kernel_dir.display()));
     for dir in &nvcc.include_dirs {
         cmd.arg(format!("-I{}", dir.display()));
     }
     cmd.arg("-o").arg(&fatbin).arg(&unit);
-    let output = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", nvcc.path.display()));
+    let output = cmd.output().unwrap_or_else(|e| panic!("running {}: {e}", nvcc.path.display()));
     if !output.status.success() {
         panic!(
             "nvcc failed compiling rust/cuda-lib/kernels ({:?}):\n{}{}",
@@ -146,9 +133,7 @@ fn main() {
 
 fn run(program: &Path, args: &[&str]) -> Option<String> {
     let out = Command::new(program).args(args).output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn works(path: &Path) -> bool {
@@ -160,20 +145,13 @@ fn nonempty_env(name: &str) -> Option<String> {
 }
 
 fn find_nvcc() -> Option<Nvcc> {
-    let plain = |path: PathBuf, source| Nvcc {
-        path,
-        source,
-        include_dirs: Vec::new(),
-    };
+    let plain = |path: PathBuf, source| Nvcc { path, source, include_dirs: Vec::new() };
     if let Some(explicit) = nonempty_env("NVCC") {
         let path = PathBuf::from(explicit);
         if works(&path) {
             return Some(plain(path, "NVCC"));
         }
-        println!(
-            "cargo::warning=cuda-lib: NVCC={} does not run; not looking elsewhere",
-            path.display()
-        );
+        println!("cargo::warning=cuda-lib: NVCC={} does not run; not looking elsewhere", path.display());
         return None;
     }
     if let Some(home) = nonempty_env("CUDA_HOME") {
@@ -204,27 +182,13 @@ fn pypi_nvcc() -> Option<Nvcc> {
     if !out.status.success() {
         return None;
     }
-    let sites: Vec<PathBuf> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(PathBuf::from)
-        .collect();
-    let site = sites
-        .iter()
-        .find(|s| works(&s.join("nvidia/cu13/bin/nvcc")))?;
+    let sites: Vec<PathBuf> = String::from_utf8_lossy(&out.stdout).lines().map(PathBuf::from).collect();
+    let site = sites.iter().find(|s| works(&s.join("nvidia/cu13/bin/nvcc")))?;
     // Headers (cuda-crt, cuda-runtime, cccl wheels) next to nvcc first, then other site dirs.
     let mut include_dirs = vec![site.join("nvidia/cu13/include")];
-    include_dirs.extend(
-        sites
-            .iter()
-            .filter(|s| *s != site)
-            .map(|s| s.join("nvidia/cu13/include")),
-    );
+    include_dirs.extend(sites.iter().filter(|s| *s != site).map(|s| s.join("nvidia/cu13/include")));
     include_dirs.retain(|d| d.is_dir());
-    Some(Nvcc {
-        path: site.join("nvidia/cu13/bin/nvcc"),
-        source: "PyPI nvidia-cuda-nvcc",
-        include_dirs,
-    })
+    Some(Nvcc { path: site.join("nvidia/cu13/bin/nvcc"), source: "PyPI nvidia-cuda-nvcc", include_dirs })
 }
 
 /// The toolchain `scripts/setup.sh` installs when nothing else provides nvcc.
@@ -236,17 +200,11 @@ fn setup_cache_nvcc() -> Option<Nvcc> {
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&format!("nvcc-{NVCC_RELEASE}.")))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&format!("nvcc-{NVCC_RELEASE}.")))
         })
         .collect();
     dirs.sort();
     let root = dirs.pop()?.join("nvidia/cu13");
     let path = root.join("bin/nvcc");
-    works(&path).then(|| Nvcc {
-        path,
-        source: "scripts/setup.sh cache",
-        include_dirs: vec![root.join("include")],
-    })
+    works(&path).then(|| Nvcc { path, source: "scripts/setup.sh cache", include_dirs: vec![root.join("include")] })
 }

@@ -110,8 +110,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         })))
         .context("installing the receive callback")?;
 
-    let target =
-        Target { engine: &ep.engine, src: ep.handle, src_len: ep.len, dst: &server_mr, stall };
+    let target = Target { engine: &ep.engine, src: ep.handle, src_len: ep.len, dst: &server_mr, stall };
     let mut report = Report {
         tool: "fabric-debug",
         provider: ep.engine.provider().to_string(),

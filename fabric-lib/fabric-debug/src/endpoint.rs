@@ -38,11 +38,15 @@ impl EngineArgs {
         let Some(n) = self.domain_count.filter(|_| self.domains.is_empty()) else {
             return Ok(self.domains.clone());
         };
-        let software = self.provider.as_deref().is_none_or(|p| ["tcp", "udp", "sockets"].iter().any(|s| p.starts_with(s)));
+        let software =
+            self.provider.as_deref().is_none_or(|p| ["tcp", "udp", "sockets"].iter().any(|s| p.starts_with(s)));
         if software {
             return Ok(vec!["lo".to_string(); n]);
         }
-        let nics = fabric_lib::topology::detect(std::path::Path::new("/")).device("host").map(|d| d.nics.clone()).unwrap_or_default();
+        let nics = fabric_lib::topology::detect(std::path::Path::new("/"))
+            .device("host")
+            .map(|d| d.nics.clone())
+            .unwrap_or_default();
         if nics.len() < n {
             crate::bail!("--domains {n}: the topology lists only {} NICs ({})", nics.len(), nics.join(", "));
         }

@@ -90,17 +90,20 @@ impl Target<'_> {
     }
 }
 
-fn summarize(engine: &TransferEngine, size: u64, count: u64, times: &[Duration], before: &[fabric_lib::DomainStats]) -> Paged {
+fn summarize(
+    engine: &TransferEngine,
+    size: u64,
+    count: u64,
+    times: &[Duration],
+    before: &[fabric_lib::DomainStats],
+) -> Paged {
     let bytes = (size * count) as f64;
     let gbps: Vec<f64> = times.iter().map(|t| bytes * 8.0 / t.as_secs_f64() / 1e9).collect();
     let mpps: Vec<f64> = times.iter().map(|t| count as f64 / t.as_secs_f64() / 1e6).collect();
     let total: f64 = times.iter().map(Duration::as_secs_f64).sum::<f64>().max(1e-9);
     let after = engine.domain_stats();
-    let moved: Vec<(f64, f64)> = after
-        .iter()
-        .zip(before)
-        .map(|(a, b)| ((a.bytes - b.bytes) as f64, (a.ops - b.ops) as f64))
-        .collect();
+    let moved: Vec<(f64, f64)> =
+        after.iter().zip(before).map(|(a, b)| ((a.bytes - b.bytes) as f64, (a.ops - b.ops) as f64)).collect();
     let all_bytes: f64 = moved.iter().map(|m| m.0).sum::<f64>().max(1.0);
     Paged {
         page_size: size,

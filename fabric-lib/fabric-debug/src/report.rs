@@ -101,9 +101,13 @@ impl Report {
             }
         }
         if !self.paged.is_empty() {
-            out += &format!("\n{:>10} {:>7} {:>10} {:>10}  per domain Gbps (share)\n", "page", "pages", "Gbps", "Mpages/s");
+            out += &format!(
+                "\n{:>10} {:>7} {:>10} {:>10}  per domain Gbps (share)\n",
+                "page", "pages", "Gbps", "Mpages/s"
+            );
             for p in &self.paged {
-                let doms: Vec<String> = p.per_domain.iter().map(|(g, _, s)| format!("{g:.2} ({:.0}%)", s * 100.0)).collect();
+                let doms: Vec<String> =
+                    p.per_domain.iter().map(|(g, _, s)| format!("{g:.2} ({:.0}%)", s * 100.0)).collect();
                 out += &format!(
                     "{:>10} {:>7} {:>10.2} {:>10.4}  {}\n",
                     format_size(p.page_size),

@@ -20,19 +20,13 @@ impl DeviceBuffer {
     /// Allocates `len` bytes (uninitialized) on the context's device.
     pub fn new(ctx: &Arc<Context>, len: usize) -> Result<Self> {
         if len == 0 {
-            return Err(CudaError::InvalidArgument(
-                "zero-byte device allocation".into(),
-            ));
+            return Err(CudaError::InvalidArgument("zero-byte device allocation".into()));
         }
         let _cur = ctx.enter()?;
         let mut ptr = 0;
         // SAFETY: the context is current; `ptr` is a valid out pointer.
         unsafe { cu!(cuMemAlloc_v2(&mut ptr, len)) }?;
-        Ok(DeviceBuffer {
-            ctx: ctx.clone(),
-            ptr,
-            len,
-        })
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len })
     }
 
     /// The device address.

@@ -67,17 +67,11 @@ impl Context {
         // SAFETY: `current` is a valid out pointer.
         unsafe { cu!(cuCtxGetCurrent(&mut current)) }?;
         if current == self.raw {
-            return Ok(Entered {
-                pushed: false,
-                _ctx: PhantomData,
-            });
+            return Ok(Entered { pushed: false, _ctx: PhantomData });
         }
         // SAFETY: `raw` is a retained, live context; the guard pops it again.
         unsafe { cu!(cuCtxPushCurrent_v2(self.raw)) }?;
-        Ok(Entered {
-            pushed: true,
-            _ctx: PhantomData,
-        })
+        Ok(Entered { pushed: true, _ctx: PhantomData })
     }
 
     /// Waits for all work in this context.
@@ -104,12 +98,7 @@ impl Context {
         let _cur = self.enter()?;
         // SAFETY: this context is current; `peer.raw` is a live context; flags must be 0.
         match unsafe { cu!(cuCtxEnablePeerAccess(peer.raw, 0)) } {
-            Err(e)
-                if e.code()
-                    == Some(sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as i32) =>
-            {
-                Ok(())
-            }
+            Err(e) if e.code() == Some(sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as i32) => Ok(()),
             other => other,
         }
     }
@@ -118,9 +107,7 @@ impl Context {
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: this handle retained the primary context once; release it once.
-        log_drop_error("primary context", unsafe {
-            cu!(cuDevicePrimaryCtxRelease_v2(self.device.raw()))
-        });
+        log_drop_error("primary context", unsafe { cu!(cuDevicePrimaryCtxRelease_v2(self.device.raw())) });
     }
 }
 
@@ -136,9 +123,7 @@ impl Drop for Entered<'_> {
         if self.pushed {
             let mut popped = std::ptr::null_mut();
             // SAFETY: `enter` pushed exactly one context on this thread's stack.
-            log_drop_error("context push", unsafe {
-                cu!(cuCtxPopCurrent_v2(&mut popped))
-            });
+            log_drop_error("context push", unsafe { cu!(cuCtxPopCurrent_v2(&mut popped)) });
         }
     }
 }

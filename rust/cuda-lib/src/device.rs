@@ -18,9 +18,7 @@ impl Device {
     pub fn get(ordinal: usize) -> Result<Self> {
         let count = crate::device_count()?;
         if ordinal >= count {
-            return Err(CudaError::InvalidArgument(format!(
-                "device {ordinal} does not exist ({count} visible)"
-            )));
+            return Err(CudaError::InvalidArgument(format!("device {ordinal} does not exist ({count} visible)")));
         }
         let mut raw = 0;
         // SAFETY: the driver is initialized (device_count succeeded); `raw` is a valid out pointer.
@@ -59,17 +57,9 @@ impl Device {
     pub fn name(&self) -> Result<String> {
         let mut buf = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds 256 chars and its length is passed along.
-        unsafe {
-            cu!(cuDeviceGetName(
-                buf.as_mut_ptr(),
-                buf.len() as i32,
-                self.raw
-            ))
-        }?;
+        unsafe { cu!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.raw)) }?;
         // SAFETY: the driver wrote a NUL-terminated string into `buf` (zero-initialized anyway).
-        Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
-            .to_string_lossy()
-            .into_owned())
+        Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
     }
 
     /// Total device memory in bytes.
@@ -95,10 +85,7 @@ impl Device {
 
     /// SM clock in kHz (what `clock64()` counts), if the driver reports one.
     pub fn clock_rate_khz(&self) -> Option<u32> {
-        self.attribute(Attr::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-            .ok()
-            .filter(|k| *k > 0)
-            .map(|k| k as u32)
+        self.attribute(Attr::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).ok().filter(|k| *k > 0).map(|k| k as u32)
     }
 
     /// Whether the VMM API (cuMemCreate / cuMemMap) is supported.

@@ -20,10 +20,7 @@ pub fn export_dmabuf(ctx: &Context, ptr: u64, len: usize) -> Result<OwnedFd> {
         )));
     }
     if !ctx.device().supports_dmabuf()? {
-        return Err(CudaError::Unsupported(format!(
-            "device {} cannot export DMA-BUF",
-            ctx.device().ordinal()
-        )));
+        return Err(CudaError::Unsupported(format!("device {} cannot export DMA-BUF", ctx.device().ordinal())));
     }
     let _cur = ctx.enter()?;
     let mut fd: std::ffi::c_int = -1;
@@ -39,9 +36,7 @@ pub fn export_dmabuf(ctx: &Context, ptr: u64, len: usize) -> Result<OwnedFd> {
         ))
     }?;
     if fd < 0 {
-        return Err(CudaError::InvalidArgument(
-            "cuMemGetHandleForAddressRange returned no fd".into(),
-        ));
+        return Err(CudaError::InvalidArgument("cuMemGetHandleForAddressRange returned no fd".into()));
     }
     // SAFETY: the driver created this fd for us; we are its only owner.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })

@@ -226,10 +226,7 @@ mod tests {
             Ok(d) => assert!(d.cuda_version().0 >= 11),
             Err(CudaError::DriverUnavailable(msg)) => {
                 assert!(msg.contains("libcuda") || msg.contains("cuInit"), "{msg}");
-                assert!(matches!(
-                    device_count(),
-                    Err(CudaError::DriverUnavailable(_))
-                ));
+                assert!(matches!(device_count(), Err(CudaError::DriverUnavailable(_))));
                 assert_eq!(pointer_device(0x1000), None);
                 assert!(!Driver::is_available());
             }
@@ -245,25 +242,15 @@ mod tests {
         for entry in std::fs::read_dir(dir).unwrap() {
             let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
             for part in text.split("cu!(").skip(1) {
-                let name: String = part
-                    .trim_start()
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
+                let name: String = part.trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                 if name.starts_with("cu") {
                     used.insert(name);
                 }
             }
         }
-        let missing: Vec<_> = used
-            .iter()
-            .filter(|n| !REQUIRED_SYMBOLS.contains(&n.as_str()))
-            .collect();
+        let missing: Vec<_> = used.iter().filter(|n| !REQUIRED_SYMBOLS.contains(&n.as_str())).collect();
         assert!(missing.is_empty(), "add to REQUIRED_SYMBOLS: {missing:?}");
-        let unused: Vec<_> = REQUIRED_SYMBOLS
-            .iter()
-            .filter(|n| !used.contains(**n))
-            .collect();
+        let unused: Vec<_> = REQUIRED_SYMBOLS.iter().filter(|n| !used.contains(**n)).collect();
         assert!(unused.is_empty(), "unused in REQUIRED_SYMBOLS: {unused:?}");
     }
 }

@@ -35,11 +35,7 @@ pub type Result<T, E = CudaError> = std::result::Result<T, E>;
 impl CudaError {
     /// Builds [`CudaError::Call`] from a failed `CUresult`.
     pub(crate) fn call(call: &'static str, result: sys::CUresult) -> Self {
-        CudaError::Call {
-            call,
-            code: result as i32,
-            name: error_name(result),
-        }
+        CudaError::Call { call, code: result as i32, name: error_name(result) }
     }
 
     /// The `CUresult` code when this is a failed driver call.

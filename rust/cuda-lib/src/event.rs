@@ -20,19 +20,13 @@ unsafe impl Sync for Event {}
 impl Event {
     /// Creates an event; `timing` enables [`Event::elapsed_ms`] (slightly slower to record).
     pub fn new(ctx: &Arc<Context>, timing: bool) -> Result<Self> {
-        let flags = if timing {
-            sys::CUevent_flags::CU_EVENT_DEFAULT
-        } else {
-            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
-        };
+        let flags =
+            if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
         let _cur = ctx.enter()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the context is current; `raw` is a valid out pointer.
         unsafe { cu!(cuEventCreate(&mut raw, flags as u32)) }?;
-        Ok(Event {
-            ctx: ctx.clone(),
-            raw,
-        })
+        Ok(Event { ctx: ctx.clone(), raw })
     }
 
     /// The raw `CUevent`.

@@ -20,10 +20,7 @@ impl Stream {
         let mut raw = std::ptr::null_mut();
         // SAFETY: the stream is live; `raw` is a valid out pointer.
         unsafe { cu!(cuStreamEndCapture(self.raw(), &mut raw)) }?;
-        Ok(Graph {
-            ctx: self.context().clone(),
-            raw,
-        })
+        Ok(Graph { ctx: self.context().clone(), raw })
     }
 }
 
@@ -46,10 +43,7 @@ impl Graph {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `self.raw` is live; `raw` is a valid out pointer; flags 0.
         unsafe { cu!(cuGraphInstantiateWithFlags(&mut raw, self.raw, 0)) }?;
-        Ok(GraphExec {
-            ctx: self.ctx.clone(),
-            raw,
-        })
+        Ok(GraphExec { ctx: self.ctx.clone(), raw })
     }
 }
 

@@ -35,21 +35,14 @@ impl PinnedHostBuffer {
     /// Allocates `len` bytes (page-aligned, zero-filled).
     pub fn new(ctx: &Arc<Context>, len: usize) -> Result<Self> {
         if len == 0 {
-            return Err(CudaError::InvalidArgument(
-                "zero-byte pinned host allocation".into(),
-            ));
+            return Err(CudaError::InvalidArgument("zero-byte pinned host allocation".into()));
         }
         let _cur = ctx.enter()?;
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: the context is current; `host` is a valid out pointer.
         unsafe { cu!(cuMemHostAlloc(&mut host, len, flags)) }?;
-        let mut buf = PinnedHostBuffer {
-            ctx: ctx.clone(),
-            host: host.cast(),
-            device: 0,
-            len,
-        };
+        let mut buf = PinnedHostBuffer { ctx: ctx.clone(), host: host.cast(), device: 0, len };
         let mut device = 0;
         // SAFETY: `host` was allocated with DEVICEMAP just above; flags must be 0.
         unsafe { cu!(cuMemHostGetDevicePointer_v2(&mut device, host, 0)) }?;
@@ -81,11 +74,7 @@ impl PinnedHostBuffer {
 
     /// The 64-bit word `index` as an atomic (the CPU side of GPU<->CPU flags).
     pub fn atomic_u64(&self, index: usize) -> &AtomicU64 {
-        assert!(
-            (index + 1) * 8 <= self.len,
-            "word {index} is outside the {}-byte buffer",
-            self.len
-        );
+        assert!((index + 1) * 8 <= self.len, "word {index} is outside the {}-byte buffer", self.len);
         // SAFETY: in bounds (checked), 8-byte aligned (page-aligned base), and the memory lives
         // as long as `self`; the device side uses system-scope accesses on the same word.
         unsafe { AtomicU64::from_ptr(self.host.cast::<u64>().add(index)) }
@@ -93,11 +82,7 @@ impl PinnedHostBuffer {
 
     /// The 32-bit word `index` as an atomic.
     pub fn atomic_u32(&self, index: usize) -> &AtomicU32 {
-        assert!(
-            (index + 1) * 4 <= self.len,
-            "word {index} is outside the {}-byte buffer",
-            self.len
-        );
+        assert!((index + 1) * 4 <= self.len, "word {index} is outside the {}-byte buffer", self.len);
         // SAFETY: as for `atomic_u64`, with 4-byte words.
         unsafe { AtomicU32::from_ptr(self.host.cast::<u32>().add(index)) }
     }

@@ -43,11 +43,7 @@ pub fn ipc_export(ctx: &Context, ptr: u64) -> Result<IpcExport> {
     let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: `base` is the base of a live allocation; `raw` is a valid out pointer.
     unsafe { cu!(cuIpcGetMemHandle(&mut raw, base)) }?;
-    Ok(IpcExport {
-        handle: IpcMemHandle(raw.reserved.map(|c| c as u8)),
-        offset: ptr - base,
-        alloc_len: size,
-    })
+    Ok(IpcExport { handle: IpcMemHandle(raw.reserved.map(|c| c as u8)), offset: ptr - base, alloc_len: size })
 }
 
 /// Another process's allocation opened through its IPC handle; closed on drop. A process cannot
@@ -62,28 +58,17 @@ impl IpcMapping {
     /// Opens `handle` in `ctx` (the allocation may live on another device: peer access is
     /// enabled lazily).
     pub fn open(ctx: &Arc<Context>, handle: &IpcMemHandle) -> Result<Self> {
-        let raw = sys::CUipcMemHandle {
-            reserved: handle.0.map(|b| b as std::ffi::c_char),
-        };
+        let raw = sys::CUipcMemHandle { reserved: handle.0.map(|b| b as std::ffi::c_char) };
         let _cur = ctx.enter()?;
         let mut ptr = 0;
         // SAFETY: `raw` is a by-value handle; `ptr` is a valid out pointer.
         unsafe {
-            cu!(cuIpcOpenMemHandle_v2(
-                &mut ptr,
-                raw,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32
-            ))
+            cu!(cuIpcOpenMemHandle_v2(&mut ptr, raw, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32))
         }?;
         if ptr == 0 {
-            return Err(CudaError::InvalidArgument(
-                "cuIpcOpenMemHandle returned a null pointer".into(),
-            ));
+            return Err(CudaError::InvalidArgument("cuIpcOpenMemHandle returned a null pointer".into()));
         }
-        Ok(IpcMapping {
-            ctx: ctx.clone(),
-            ptr,
-        })
+        Ok(IpcMapping { ctx: ctx.clone(), ptr })
     }
 
     /// The base address of the opened allocation in this process.

@@ -66,10 +66,7 @@ impl Kernels {
             ],
             write_u64: module.function("fabric_write_u64")?,
             flag_poll: module.function("fabric_flag_poll")?,
-            clock_khz: ctx
-                .device()
-                .clock_rate_khz()
-                .map_or(FALLBACK_CLOCK_KHZ, u64::from),
+            clock_khz: ctx.device().clock_rate_khz().map_or(FALLBACK_CLOCK_KHZ, u64::from),
         })
     }
 
@@ -96,15 +93,9 @@ impl Kernels {
             4 => &self.paged_copy[2],
             _ => &self.paged_copy[3],
         };
-        let (mut dst, mut src, mut dst_idx, mut src_idx) =
-            (copy.dst, copy.src, copy.dst_idx, copy.src_idx);
-        let (mut dst_stride, mut dst_off, mut src_stride, mut src_off, mut page_len) = (
-            copy.dst_stride,
-            copy.dst_offset,
-            copy.src_stride,
-            copy.src_offset,
-            copy.page_len,
-        );
+        let (mut dst, mut src, mut dst_idx, mut src_idx) = (copy.dst, copy.src, copy.dst_idx, copy.src_idx);
+        let (mut dst_stride, mut dst_off, mut src_stride, mut src_off, mut page_len) =
+            (copy.dst_stride, copy.dst_offset, copy.src_stride, copy.src_offset, copy.page_len);
         let (mut num_pages, mut group_threads) = (copy.num_pages, plan.group_threads);
         let mut params: [*mut c_void; 11] = [
             (&mut dst as *mut u64).cast(),
@@ -121,13 +112,7 @@ impl Kernels {
         ];
         // SAFETY: the parameters match `fabric_paged_copy_*`'s signature (pointers as u64, u64
         // strides/offsets/len, u32 count and group size); the caller guarantees the memory.
-        unsafe {
-            function.launch(
-                stream,
-                LaunchConfig::linear(plan.blocks, plan.threads),
-                &mut params,
-            )
-        }
+        unsafe { function.launch(stream, LaunchConfig::linear(plan.blocks, plan.threads), &mut params) }
     }
 
     /// Enqueues a one-thread kernel that stores `value` at `addr` with release semantics at
@@ -140,15 +125,9 @@ impl Kernels {
     pub unsafe fn write_u64(&self, stream: &Stream, addr: u64, value: u64) -> Result<()> {
         check_aligned(addr, 8, "write_u64 address")?;
         let (mut addr, mut value) = (addr, value);
-        let mut params: [*mut c_void; 2] = [
-            (&mut addr as *mut u64).cast(),
-            (&mut value as *mut u64).cast(),
-        ];
+        let mut params: [*mut c_void; 2] = [(&mut addr as *mut u64).cast(), (&mut value as *mut u64).cast()];
         // SAFETY: matches `fabric_write_u64(uint64_t*, uint64_t)`; the caller guarantees `addr`.
-        unsafe {
-            self.write_u64
-                .launch(stream, LaunchConfig::linear(1, 32), &mut params)
-        }
+        unsafe { self.write_u64.launch(stream, LaunchConfig::linear(1, 32), &mut params) }
     }
 
     /// Enqueues a one-thread kernel that spins (acquire loads, system scope) until the word at
@@ -168,8 +147,7 @@ impl Kernels {
     ) -> Result<()> {
         check_aligned(flag, 8, "flag address")?;
         check_aligned(status, 4, "status address")?;
-        let (mut flag, mut expected, mut cycles, mut status) =
-            (flag, expected, self.timeout_cycles(timeout), status);
+        let (mut flag, mut expected, mut cycles, mut status) = (flag, expected, self.timeout_cycles(timeout), status);
         let mut params: [*mut c_void; 4] = [
             (&mut flag as *mut u64).cast(),
             (&mut expected as *mut u64).cast(),
@@ -178,27 +156,19 @@ impl Kernels {
         ];
         // SAFETY: matches `fabric_flag_poll(const uint64_t*, uint64_t, uint64_t, uint32_t*)`;
         // the caller guarantees both addresses.
-        unsafe {
-            self.flag_poll
-                .launch(stream, LaunchConfig::linear(1, 32), &mut params)
-        }
+        unsafe { self.flag_poll.launch(stream, LaunchConfig::linear(1, 32), &mut params) }
     }
 
     /// `timeout` in SM clock cycles (what `clock64()` counts).
     pub fn timeout_cycles(&self, timeout: Duration) -> u64 {
-        let cycles = timeout
-            .as_nanos()
-            .saturating_mul(u128::from(self.clock_khz))
-            / 1_000_000;
+        let cycles = timeout.as_nanos().saturating_mul(u128::from(self.clock_khz)) / 1_000_000;
         u64::try_from(cycles).unwrap_or(u64::MAX)
     }
 }
 
 fn check_aligned(addr: u64, align: u64, what: &str) -> Result<()> {
     if addr == 0 || addr % align != 0 {
-        return Err(CudaError::InvalidArgument(format!(
-            "{what} {addr:#x} must be non-null and {align}-byte aligned"
-        )));
+        return Err(CudaError::InvalidArgument(format!("{what} {addr:#x} must be non-null and {align}-byte aligned")));
     }
     Ok(())
 }
@@ -214,10 +184,7 @@ mod tests {
             assert!(!kernels_available());
             assert_eq!(kernel_archs(), "");
             let msg = CudaError::KernelsUnavailable.to_string();
-            assert!(
-                msg.contains("nvcc 13.0") && msg.contains("scripts/setup.sh"),
-                "{msg}"
-            );
+            assert!(msg.contains("nvcc 13.0") && msg.contains("scripts/setup.sh"), "{msg}");
         } else {
             let image = kernel_image().unwrap();
             assert!(image.len() > 1000);

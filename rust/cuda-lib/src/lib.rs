@@ -58,8 +58,6 @@ pub use host::PinnedHostBuffer;
 pub use ipc::{ipc_export, IpcExport, IpcMapping, IpcMemHandle};
 pub use kernels::{kernel_archs, kernel_image, kernels_available, Kernels};
 pub use module::{Function, LaunchConfig, Module};
-pub use paged_copy::{
-    PagedCopy, PagedCopyPlan, PAGED_COPY_DEFAULT_BLOCKS, PAGED_COPY_DEFAULT_THREADS,
-};
+pub use paged_copy::{PagedCopy, PagedCopyPlan, PAGED_COPY_DEFAULT_BLOCKS, PAGED_COPY_DEFAULT_THREADS};
 pub use stream::{Stream, WaitValue};
 pub use vmm::{vmm_granularity, VmmAllocation};

@@ -31,36 +31,22 @@ impl Module {
         // Fatbin and ELF headers hold 8-byte fields: give the driver an aligned copy.
         let mut aligned = vec![0u128; image.len().div_ceil(16) + 1];
         // SAFETY: `aligned` has at least image.len() bytes; the regions do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                image.as_ptr(),
-                aligned.as_mut_ptr().cast::<u8>(),
-                image.len(),
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(image.as_ptr(), aligned.as_mut_ptr().cast::<u8>(), image.len()) };
         let _cur = ctx.enter()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the context is current; the image is readable (and NUL-padded) for the call.
         unsafe { cu!(cuModuleLoadData(&mut raw, aligned.as_ptr().cast())) }?;
-        Ok(Arc::new(Module {
-            ctx: ctx.clone(),
-            raw,
-        }))
+        Ok(Arc::new(Module { ctx: ctx.clone(), raw }))
     }
 
     /// The `extern "C"` kernel `name`.
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function> {
-        let cname = CString::new(name)
-            .map_err(|_| CudaError::InvalidArgument(format!("kernel name {name:?}")))?;
+        let cname = CString::new(name).map_err(|_| CudaError::InvalidArgument(format!("kernel name {name:?}")))?;
         let _cur = self.ctx.enter()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the module is live; `cname` is NUL-terminated; `raw` is a valid out pointer.
         unsafe { cu!(cuModuleGetFunction(&mut raw, self.raw, cname.as_ptr())) }?;
-        Ok(Function {
-            module: self.clone(),
-            raw,
-            name: name.to_owned(),
-        })
+        Ok(Function { module: self.clone(), raw, name: name.to_owned() })
     }
 
     /// The owning context.
@@ -93,11 +79,7 @@ pub struct LaunchConfig {
 impl LaunchConfig {
     /// A 1-D launch of `blocks` x `threads`.
     pub fn linear(blocks: u32, threads: u32) -> Self {
-        LaunchConfig {
-            grid: (blocks, 1, 1),
-            block: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 }
 

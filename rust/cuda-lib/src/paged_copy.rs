@@ -92,10 +92,7 @@ impl PagedCopy {
             return Ok(None);
         }
         if self.blocks == 0 || self.blocks > 65_535 {
-            return Err(CudaError::InvalidArgument(format!(
-                "paged copy blocks {} not in 1..=65535",
-                self.blocks
-            )));
+            return Err(CudaError::InvalidArgument(format!("paged copy blocks {} not in 1..=65535", self.blocks)));
         }
         if self.threads < 32 || self.threads > 1024 || self.threads % 32 != 0 {
             return Err(CudaError::InvalidArgument(format!(
@@ -104,32 +101,17 @@ impl PagedCopy {
             )));
         }
         if self.dst == 0 || self.src == 0 {
-            return Err(CudaError::InvalidArgument(
-                "paged copy with a null base address".into(),
-            ));
+            return Err(CudaError::InvalidArgument("paged copy with a null base address".into()));
         }
         if self.dst_idx % 4 != 0 || self.src_idx % 4 != 0 {
-            return Err(CudaError::InvalidArgument(
-                "page index arrays must be 4-byte aligned".into(),
-            ));
+            return Err(CudaError::InvalidArgument("page index arrays must be 4-byte aligned".into()));
         }
-        let bits = self.dst
-            | self.src
-            | self.dst_stride
-            | self.dst_offset
-            | self.src_stride
-            | self.src_offset
-            | self.page_len;
-        let vector_bytes = [16u32, 8, 4, 1]
-            .into_iter()
-            .find(|v| bits % u64::from(*v) == 0)
-            .unwrap_or(1);
+        let bits =
+            self.dst | self.src | self.dst_stride | self.dst_offset | self.src_stride | self.src_offset | self.page_len;
+        let vector_bytes = [16u32, 8, 4, 1].into_iter().find(|v| bits % u64::from(*v) == 0).unwrap_or(1);
         let per_thread = unroll(vector_bytes);
         let vectors = self.page_len / u64::from(vector_bytes);
-        let wanted = vectors
-            .div_ceil(per_thread)
-            .next_power_of_two()
-            .clamp(32, 1024);
+        let wanted = vectors.div_ceil(per_thread).next_power_of_two().clamp(32, 1024);
         let group_threads = (wanted as u32).min(prev_power_of_two(self.threads));
         let groups_per_block = self.threads / group_threads;
         let needed_blocks = self.num_pages.div_ceil(groups_per_block);
@@ -174,102 +156,32 @@ mod tests {
 
     #[test]
     fn misalignment_anywhere_narrows_the_vector() {
-        assert_eq!(
-            PagedCopy {
-                dst_offset: 8,
-                ..copy(4096)
-            }
-            .plan()
-            .unwrap()
-            .unwrap()
-            .vector_bytes,
-            8
-        );
-        assert_eq!(
-            PagedCopy {
-                src_stride: 4100,
-                ..copy(4096)
-            }
-            .plan()
-            .unwrap()
-            .unwrap()
-            .vector_bytes,
-            4
-        );
+        assert_eq!(PagedCopy { dst_offset: 8, ..copy(4096) }.plan().unwrap().unwrap().vector_bytes, 8);
+        assert_eq!(PagedCopy { src_stride: 4100, ..copy(4096) }.plan().unwrap().unwrap().vector_bytes, 4);
         assert_eq!(copy(4097).plan().unwrap().unwrap().vector_bytes, 1);
-        assert_eq!(
-            PagedCopy {
-                dst: 0x7f00_0000_0001,
-                ..copy(4096)
-            }
-            .plan()
-            .unwrap()
-            .unwrap()
-            .vector_bytes,
-            1
-        );
+        assert_eq!(PagedCopy { dst: 0x7f00_0000_0001, ..copy(4096) }.plan().unwrap().unwrap().vector_bytes, 1);
     }
 
     #[test]
     fn tiny_pages_use_one_warp_per_page_and_few_blocks() {
-        let plan = PagedCopy {
-            num_pages: 3,
-            ..copy(64)
-        }
-        .plan()
-        .unwrap()
-        .unwrap();
+        let plan = PagedCopy { num_pages: 3, ..copy(64) }.plan().unwrap().unwrap();
         assert_eq!(plan.group_threads, 32);
         assert_eq!(plan.blocks, 1); // 32 groups per block, 3 pages
     }
 
     #[test]
     fn odd_block_sizes_round_groups_down() {
-        let plan = PagedCopy {
-            threads: 96,
-            ..copy(1 << 20)
-        }
-        .plan()
-        .unwrap()
-        .unwrap();
+        let plan = PagedCopy { threads: 96, ..copy(1 << 20) }.plan().unwrap().unwrap();
         assert_eq!(plan.group_threads, 64);
     }
 
     #[test]
     fn nothing_to_copy_and_bad_arguments() {
-        assert_eq!(
-            PagedCopy {
-                num_pages: 0,
-                ..copy(4096)
-            }
-            .plan()
-            .unwrap(),
-            None
-        );
+        assert_eq!(PagedCopy { num_pages: 0, ..copy(4096) }.plan().unwrap(), None);
         assert_eq!(copy(0).plan().unwrap(), None);
-        assert!(PagedCopy {
-            blocks: 0,
-            ..copy(4096)
-        }
-        .plan()
-        .is_err());
-        assert!(PagedCopy {
-            threads: 100,
-            ..copy(4096)
-        }
-        .plan()
-        .is_err());
-        assert!(PagedCopy {
-            src_idx: 2,
-            ..copy(4096)
-        }
-        .plan()
-        .is_err());
-        assert!(PagedCopy {
-            dst: 0,
-            ..copy(4096)
-        }
-        .plan()
-        .is_err());
+        assert!(PagedCopy { blocks: 0, ..copy(4096) }.plan().is_err());
+        assert!(PagedCopy { threads: 100, ..copy(4096) }.plan().is_err());
+        assert!(PagedCopy { src_idx: 2, ..copy(4096) }.plan().is_err());
+        assert!(PagedCopy { dst: 0, ..copy(4096) }.plan().is_err());
     }
 }

@@ -37,16 +37,8 @@ impl Stream {
         let _cur = ctx.enter()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: the context is current; `raw` is a valid out pointer.
-        unsafe {
-            cu!(cuStreamCreate(
-                &mut raw,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
-            ))
-        }?;
-        Ok(Stream {
-            ctx: ctx.clone(),
-            raw,
-        })
+        unsafe { cu!(cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)) }?;
+        Ok(Stream { ctx: ctx.clone(), raw })
     }
 
     /// The raw `CUstream` (e.g. to hand to torch as an external stream).
@@ -140,16 +132,7 @@ impl Stream {
     ) -> Result<()> {
         let _cur = self.ctx.enter()?;
         // SAFETY: the caller guarantees both ranges; contexts and stream are live.
-        unsafe {
-            cu!(cuMemcpyPeerAsync(
-                dst,
-                dst_ctx.raw(),
-                src,
-                src_ctx.raw(),
-                len,
-                self.raw
-            ))
-        }
+        unsafe { cu!(cuMemcpyPeerAsync(dst, dst_ctx.raw(), src, src_ctx.raw(), len, self.raw)) }
     }
 
     /// Sets `len` bytes at `dst` to `value`.

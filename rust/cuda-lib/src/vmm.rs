@@ -95,9 +95,7 @@ impl VmmAllocation {
     /// Like [`VmmAllocation::new`], and also maps the memory read/write for `peers`.
     pub fn with_peers(ctx: &Arc<Context>, len: usize, peers: &[Device]) -> Result<Self> {
         if len == 0 {
-            return Err(CudaError::InvalidArgument(
-                "zero-byte VMM allocation".into(),
-            ));
+            return Err(CudaError::InvalidArgument("zero-byte VMM allocation".into()));
         }
         let device = ctx.device();
         check_vmm(device)?;
@@ -164,9 +162,7 @@ impl VmmAllocation {
     }
 
     fn map(&mut self, granularity: usize) -> Result<()> {
-        let handle = self
-            .handle
-            .expect("map is called right after the handle is created");
+        let handle = self.handle.expect("map is called right after the handle is created");
         let mut va = 0;
         // SAFETY: reserves a fresh range of `len` bytes; no fixed address is requested.
         unsafe { cu!(cuMemAddressReserve(&mut va, self.len, granularity, 0, 0)) }?;
@@ -188,24 +184,13 @@ impl VmmAllocation {
     /// Exports the physical memory as a POSIX file descriptor (send it to another process with
     /// SCM_RIGHTS or `pidfd_getfd`; import it with [`VmmAllocation::import_fd`]).
     pub fn export_fd(&self) -> Result<OwnedFd> {
-        let handle = self
-            .handle
-            .expect("a constructed VmmAllocation holds its handle");
+        let handle = self.handle.expect("a constructed VmmAllocation holds its handle");
         let _cur = self.ctx.enter()?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: for POSIX fds the driver writes one `int` through the handle pointer.
-        unsafe {
-            cu!(cuMemExportToShareableHandle(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                handle,
-                FD_HANDLE,
-                0
-            ))
-        }?;
+        unsafe { cu!(cuMemExportToShareableHandle((&mut fd as *mut std::ffi::c_int).cast(), handle, FD_HANDLE, 0)) }?;
         if fd < 0 {
-            return Err(CudaError::InvalidArgument(
-                "cuMemExportToShareableHandle returned no fd".into(),
-            ));
+            return Err(CudaError::InvalidArgument("cuMemExportToShareableHandle returned no fd".into()));
         }
         // SAFETY: the driver created this fd for us; we are its only owner.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -269,9 +254,7 @@ impl Drop for VmmAllocation {
         }
         if self.va != 0 {
             // SAFETY: the range was reserved by `map` and is no longer mapped.
-            log_drop_error("VMM address range", unsafe {
-                cu!(cuMemAddressFree(self.va, self.len))
-            });
+            log_drop_error("VMM address range", unsafe { cu!(cuMemAddressFree(self.va, self.len)) });
         }
     }
 }

@@ -12,19 +12,15 @@ use std::{
 
 use common::*;
 use cuda_lib::{
-    device_count, ipc_export, pointer_device, CudaError, Device, DeviceBuffer, Event, IpcMapping,
-    IpcMemHandle, Kernels, PagedCopy, PinnedHostBuffer, Stream, VmmAllocation, WaitValue,
+    device_count, ipc_export, pointer_device, CudaError, Device, DeviceBuffer, Event, IpcMapping, IpcMemHandle,
+    Kernels, PagedCopy, PinnedHostBuffer, Stream, VmmAllocation, WaitValue,
 };
 
 #[test]
 fn gpu_device_info() {
     require_gpus!(1);
     let (major, minor) = cuda_lib::driver_version().unwrap();
-    println!(
-        "driver CUDA {major}.{minor}, {} devices, kernels: {}",
-        device_count().unwrap(),
-        cuda_lib::kernel_archs()
-    );
+    println!("driver CUDA {major}.{minor}, {} devices, kernels: {}", device_count().unwrap(), cuda_lib::kernel_archs());
     for dev in Device::all().unwrap() {
         println!(
             "device {}: {} cc {:?}, {} SMs, {} GiB, clock {:?} kHz, vmm {} posix-fd {} gdr-vmm {} dmabuf {}",
@@ -102,10 +98,7 @@ fn gpu_memcpy_variants_and_events() {
     let b = DeviceBuffer::new(&ctx0, len).unwrap();
     let c = DeviceBuffer::new(&ctx0, len).unwrap();
     upload(&stream, a.ptr(), &data);
-    let (start, end) = (
-        Event::new(&ctx0, true).unwrap(),
-        Event::new(&ctx0, true).unwrap(),
-    );
+    let (start, end) = (Event::new(&ctx0, true).unwrap(), Event::new(&ctx0, true).unwrap());
     start.record(&stream).unwrap();
     // SAFETY: all three buffers hold `len` bytes and live until the synchronize below.
     unsafe {
@@ -141,27 +134,15 @@ fn gpu_memcpy_variants_and_events() {
 fn gpu_vmm_export_import_same_process() {
     require_gpus!(1);
     let ctx0 = ctx(0);
-    let other = if device_count().unwrap() > 1
-        && Device::get(1)
-            .unwrap()
-            .can_access_peer(ctx0.device())
-            .unwrap()
-    {
+    let other = if device_count().unwrap() > 1 && Device::get(1).unwrap().can_access_peer(ctx0.device()).unwrap() {
         1
     } else {
         0
     };
     let ctx_t = ctx(other);
     let a = VmmAllocation::new(&ctx0, (4 << 20) + 123).unwrap();
-    assert_eq!(
-        a.len() % cuda_lib::vmm_granularity(ctx0.device()).unwrap(),
-        0
-    );
-    println!(
-        "VMM {} bytes, gpuDirectRDMACapable={}, importing on device {other}",
-        a.len(),
-        a.gpu_direct_rdma()
-    );
+    assert_eq!(a.len() % cuda_lib::vmm_granularity(ctx0.device()).unwrap(), 0);
+    println!("VMM {} bytes, gpuDirectRDMACapable={}, importing on device {other}", a.len(), a.gpu_direct_rdma());
     let s0 = Stream::new(&ctx0).unwrap();
     let st = Stream::new(&ctx_t).unwrap();
     let data = Rng::new(2).bytes(a.len());
@@ -172,26 +153,14 @@ fn gpu_vmm_export_import_same_process() {
     assert_ne!(b.ptr(), a.ptr(), "the importer maps at its own address");
     println!("pointer_device(import) = {:?}", pointer_device(b.ptr()));
     assert!(pointer_device(b.ptr()).is_some());
-    assert_bytes_eq(
-        &download(&st, b.ptr(), b.len()),
-        &data,
-        "read through the import",
-    );
+    assert_bytes_eq(&download(&st, b.ptr(), b.len()), &data, "read through the import");
     let data2 = Rng::new(3).bytes(a.len());
     upload(&st, b.ptr(), &data2);
-    assert_bytes_eq(
-        &download(&s0, a.ptr(), a.len()),
-        &data2,
-        "write through the import",
-    );
+    assert_bytes_eq(&download(&s0, a.ptr(), a.len()), &data2, "write through the import");
     // The physical memory outlives the exporter's mapping while the import holds it.
     drop(fd);
     drop(a);
-    assert_bytes_eq(
-        &download(&st, b.ptr(), b.len()),
-        &data2,
-        "import after the exporter dropped",
-    );
+    assert_bytes_eq(&download(&st, b.ptr(), b.len()), &data2, "import after the exporter dropped");
     // Wrong length is an error, not a crash.
     let a2 = VmmAllocation::new(&ctx0, 1 << 20).unwrap();
     let fd2 = a2.export_fd().unwrap();
@@ -213,10 +182,7 @@ fn gpu_vmm_peer_mapping_written_by_peer() {
     unsafe { kernels1.write_u64(&s1, a.ptr() + 64, 0x1122_3344_5566_7788) }.unwrap();
     s1.synchronize().unwrap();
     let s0 = Stream::new(&ctx0).unwrap();
-    assert_eq!(
-        &download(&s0, a.ptr() + 64, 8),
-        &0x1122_3344_5566_7788u64.to_le_bytes()
-    );
+    assert_eq!(&download(&s0, a.ptr() + 64, 8), &0x1122_3344_5566_7788u64.to_le_bytes());
 }
 
 #[test]
@@ -233,25 +199,15 @@ fn gpu_dmabuf_export() {
     let buf = DeviceBuffer::new(&ctx0, 4 << 20).unwrap();
     let legacy = cuda_lib::export_dmabuf(&ctx0, buf.ptr(), 1 << 20).unwrap();
     for f in [&fd, &part, &legacy] {
-        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", f.as_raw_fd()))
-            .unwrap_or_default();
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", f.as_raw_fd())).unwrap_or_default();
         println!(
             "dmabuf fd {}: {}",
             f.as_raw_fd(),
-            info.lines()
-                .filter(|l| l.starts_with("exp_name") || l.starts_with("size"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            info.lines().filter(|l| l.starts_with("exp_name") || l.starts_with("size")).collect::<Vec<_>>().join(", ")
         );
     }
-    assert!(matches!(
-        a.export_dmabuf(100, 4096),
-        Err(CudaError::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        a.export_dmabuf(0, a.len() + 4096),
-        Err(CudaError::InvalidArgument(_))
-    ));
+    assert!(matches!(a.export_dmabuf(100, 4096), Err(CudaError::InvalidArgument(_))));
+    assert!(matches!(a.export_dmabuf(0, a.len() + 4096), Err(CudaError::InvalidArgument(_))));
 }
 
 #[test]
@@ -267,16 +223,10 @@ fn gpu_pinned_host_written_by_kernel() {
     // The CPU sees the store without synchronizing (the watcher path).
     let t0 = Instant::now();
     while host.atomic_u64(1).load(Ordering::Acquire) != 0xdead_beef_0000_0001 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "store never became visible"
-        );
+        assert!(t0.elapsed() < Duration::from_secs(5), "store never became visible");
         std::hint::spin_loop();
     }
-    println!(
-        "kernel store seen by the CPU after {:?} (launch included)",
-        t0.elapsed()
-    );
+    println!("kernel store seen by the CPU after {:?} (launch included)", t0.elapsed());
     stream.synchronize().unwrap();
     assert_eq!(host.atomic_u64(0).load(Ordering::Acquire), 0);
     // Misaligned or null addresses are refused before launching.
@@ -296,11 +246,7 @@ fn gpu_write_u64_inside_a_cuda_graph() {
     // SAFETY: word 0 of the mapped buffer, alive while the graph is launched.
     unsafe { kernels.write_u64(&stream, host.device_ptr(), 7) }.unwrap();
     let graph = stream.end_capture().unwrap();
-    assert_eq!(
-        host.atomic_u64(0).load(Ordering::Acquire),
-        0,
-        "capture does not execute"
-    );
+    assert_eq!(host.atomic_u64(0).load(Ordering::Acquire), 0, "capture does not execute");
     let exec = graph.instantiate().unwrap();
     for _ in 0..3 {
         host.atomic_u64(0).store(0, Ordering::Release);
@@ -325,10 +271,7 @@ fn gpu_stream_write_and_wait_value() {
         stream.write_value64(done, 42).unwrap();
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert!(
-        !stream.is_idle().unwrap(),
-        "the stream must block on the flag"
-    );
+    assert!(!stream.is_idle().unwrap(), "the stream must block on the flag");
     assert_eq!(host.atomic_u64(1).load(Ordering::Acquire), 0);
     host.atomic_u64(0).store(5, Ordering::Release);
     stream.synchronize().unwrap();
@@ -357,16 +300,8 @@ fn gpu_flag_poll_sees_the_cpu_flag() {
     host.atomic_u32(4).store(0xffff_ffff, Ordering::Release);
     let t0 = Instant::now();
     // SAFETY: words of the mapped buffer, alive until synchronize.
-    unsafe {
-        kernels.flag_poll(
-            &stream,
-            host.device_ptr(),
-            9,
-            Duration::from_secs(10),
-            host.device_ptr() + 16,
-        )
-    }
-    .unwrap();
+    unsafe { kernels.flag_poll(&stream, host.device_ptr(), 9, Duration::from_secs(10), host.device_ptr() + 16) }
+        .unwrap();
     std::thread::sleep(Duration::from_millis(20));
     host.atomic_u64(0).store(8, Ordering::Release); // not yet
     std::thread::sleep(Duration::from_millis(20));
@@ -374,11 +309,7 @@ fn gpu_flag_poll_sees_the_cpu_flag() {
     host.atomic_u64(0).store(9, Ordering::Release);
     stream.synchronize().unwrap();
     println!("flag poll returned {:?} after start", t0.elapsed());
-    assert_eq!(
-        host.atomic_u32(4).load(Ordering::Acquire),
-        0,
-        "status: seen"
-    );
+    assert_eq!(host.atomic_u32(4).load(Ordering::Acquire), 0, "status: seen");
     assert!(t0.elapsed() < Duration::from_secs(5));
 }
 
@@ -393,31 +324,12 @@ fn gpu_flag_poll_times_out() {
     let timeout = Duration::from_millis(100);
     let t0 = Instant::now();
     // SAFETY: as above.
-    unsafe {
-        kernels.flag_poll(
-            &stream,
-            host.device_ptr(),
-            1,
-            timeout,
-            host.device_ptr() + 16,
-        )
-    }
-    .unwrap();
+    unsafe { kernels.flag_poll(&stream, host.device_ptr(), 1, timeout, host.device_ptr() + 16) }.unwrap();
     stream.synchronize().unwrap();
     let took = t0.elapsed();
-    println!(
-        "flag poll timeout {timeout:?} ({} cycles) returned after {took:?}",
-        kernels.timeout_cycles(timeout)
-    );
-    assert_eq!(
-        host.atomic_u32(4).load(Ordering::Acquire),
-        1,
-        "status: timed out"
-    );
-    assert!(
-        took >= Duration::from_millis(40) && took < Duration::from_secs(5),
-        "{took:?}"
-    );
+    println!("flag poll timeout {timeout:?} ({} cycles) returned after {took:?}", kernels.timeout_cycles(timeout));
+    assert_eq!(host.atomic_u32(4).load(Ordering::Acquire), 1, "status: timed out");
+    assert!(took >= Duration::from_millis(40) && took < Duration::from_secs(5), "{took:?}");
 }
 
 struct PagedCase {
@@ -452,47 +364,14 @@ fn paged_cases() -> Vec<PagedCase> {
     vec![
         case("64 KiB x 2048", 64 << 10, 2048),
         case("16 KiB x 2048", 16 << 10, 2048),
-        PagedCase {
-            dst_pad: 256,
-            src_pad: 512,
-            dst_off: 128,
-            src_off: 64,
-            ..case("4 KiB strided+offset", 4096, 1000)
-        },
-        PagedCase {
-            dst_pad: 8,
-            src_pad: 24,
-            dst_off: 8,
-            src_off: 16,
-            ..case("8-byte aligned", 4104, 777)
-        },
-        PagedCase {
-            dst_pad: 12,
-            src_pad: 4,
-            dst_off: 4,
-            src_off: 8,
-            ..case("4-byte aligned", 1028, 500)
-        },
-        PagedCase {
-            dst_pad: 3,
-            src_pad: 5,
-            dst_off: 1,
-            src_off: 3,
-            ..case("unaligned bytes", 1001, 333)
-        },
-        PagedCase {
-            identity: true,
-            ..case("identity indices", 12 << 10, 300)
-        },
-        PagedCase {
-            host_indices: true,
-            ..case("indices in mapped host memory", 32 << 10, 64)
-        },
+        PagedCase { dst_pad: 256, src_pad: 512, dst_off: 128, src_off: 64, ..case("4 KiB strided+offset", 4096, 1000) },
+        PagedCase { dst_pad: 8, src_pad: 24, dst_off: 8, src_off: 16, ..case("8-byte aligned", 4104, 777) },
+        PagedCase { dst_pad: 12, src_pad: 4, dst_off: 4, src_off: 8, ..case("4-byte aligned", 1028, 500) },
+        PagedCase { dst_pad: 3, src_pad: 5, dst_off: 1, src_off: 3, ..case("unaligned bytes", 1001, 333) },
+        PagedCase { identity: true, ..case("identity indices", 12 << 10, 300) },
+        PagedCase { host_indices: true, ..case("indices in mapped host memory", 32 << 10, 64) },
         case("tiny pages", 48, 5000),
-        PagedCase {
-            pool: 4,
-            ..case("one page", 1 << 20, 1)
-        },
+        PagedCase { pool: 4, ..case("one page", 1 << 20, 1) },
     ]
 }
 
@@ -514,9 +393,7 @@ fn run_paged_case(
         ((0..c.pages as u32).collect(), (0..c.pages as u32).collect())
     } else {
         let dst = rng.distinct(c.pool, c.pages);
-        let src = (0..c.pages)
-            .map(|_| rng.below(u64::from(c.pool)) as u32)
-            .collect();
+        let src = (0..c.pages).map(|_| rng.below(u64::from(c.pool)) as u32).collect();
         (dst, src)
     };
     let src_data = rng.bytes(src_len);
@@ -532,14 +409,9 @@ fn run_paged_case(
     } else if c.host_indices {
         for (i, (d, s)) in dst_idx.iter().zip(&src_idx).enumerate() {
             host_idx.atomic_u32(i).store(*d, Ordering::Relaxed);
-            host_idx
-                .atomic_u32(c.pages + i)
-                .store(*s, Ordering::Relaxed);
+            host_idx.atomic_u32(c.pages + i).store(*s, Ordering::Relaxed);
         }
-        (di, si) = (
-            host_idx.device_ptr(),
-            host_idx.device_ptr() + 4 * c.pages as u64,
-        );
+        (di, si) = (host_idx.device_ptr(), host_idx.device_ptr() + 4 * c.pages as u64);
     } else {
         dbuf = upload_u32(ctx0, &s0, &dst_idx);
         sbuf = upload_u32(ctx0, &s0, &src_idx);
@@ -565,9 +437,7 @@ fn run_paged_case(
     unsafe { kernels.paged_copy(&s0, &copy) }.unwrap();
     s0.synchronize().unwrap();
     let mut want = dst_init;
-    reference_paged_copy(
-        &mut want, &src_data, &dst_idx, &src_idx, ds, c.dst_off, ss, c.src_off, c.page_len,
-    );
+    reference_paged_copy(&mut want, &src_data, &dst_idx, &src_idx, ds, c.dst_off, ss, c.src_off, c.page_len);
     let got = download(&sd, dst.ptr(), dst_len);
     assert_bytes_eq(&got, &want, c.name);
     println!(
@@ -625,11 +495,7 @@ fn gpu_paged_copy_peer_matches_cpu_reference() {
     let mut want = vec![0u8; 512 * page];
     let ident: Vec<u32> = (0..512).collect();
     reference_paged_copy(&mut want, &data, &idx, &ident, page, 0, page, 0, page);
-    assert_bytes_eq(
-        &download(&s1, dst.ptr(), 512 * page),
-        &want,
-        "into peer VMM",
-    );
+    assert_bytes_eq(&download(&s1, dst.ptr(), 512 * page), &want, "into peer VMM");
 }
 
 // ---- cross-process: the parent spawns this binary running only `gpu_child_process` ----
@@ -637,12 +503,7 @@ fn gpu_paged_copy_peer_matches_cpu_reference() {
 fn spawn_child(role: &str) -> std::process::ExitStatus {
     let exe = std::env::current_exe().unwrap();
     std::process::Command::new(exe)
-        .args([
-            "gpu_child_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["gpu_child_process", "--exact", "--nocapture", "--test-threads=1"])
         .env("FABRIC_LIB_CHILD", role)
         .status()
         .unwrap()
@@ -667,11 +528,7 @@ fn gpu_ipc_handle_across_processes() {
     assert!(status.success(), "child failed: {status}");
     let mut want = Rng::new(11).bytes(len);
     want[4096..].copy_from_slice(&Rng::new(12).bytes(len - 4096));
-    assert_bytes_eq(
-        &download(&stream, buf.ptr(), len),
-        &want,
-        "data written by the child",
-    );
+    assert_bytes_eq(&download(&stream, buf.ptr(), len), &want, "data written by the child");
 }
 
 #[test]
@@ -682,22 +539,13 @@ fn gpu_vmm_fd_across_processes() {
     let a = VmmAllocation::new(&ctx0, 2 << 20).unwrap();
     upload(&stream, a.ptr(), &Rng::new(21).bytes(a.len()));
     let fd = a.export_fd().unwrap();
-    let status = spawn_child(&format!(
-        "vmm:{}:{}:{}",
-        std::process::id(),
-        fd.as_raw_fd(),
-        a.len()
-    ));
+    let status = spawn_child(&format!("vmm:{}:{}:{}", std::process::id(), fd.as_raw_fd(), a.len()));
     if status.code() == Some(77) {
         eprintln!("skipped: pidfd_getfd not permitted here");
         return;
     }
     assert!(status.success(), "child failed: {status}");
-    assert_bytes_eq(
-        &download(&stream, a.ptr(), a.len()),
-        &Rng::new(22).bytes(a.len()),
-        "data written by the child",
-    );
+    assert_bytes_eq(&download(&stream, a.ptr(), a.len()), &Rng::new(22).bytes(a.len()), "data written by the child");
 }
 
 /// Not a test on its own: the child half of the cross-process tests.
@@ -716,25 +564,17 @@ fn gpu_child_process() {
             for (i, b) in handle.iter_mut().enumerate() {
                 *b = u8::from_str_radix(&parts[1][2 * i..2 * i + 2], 16).unwrap();
             }
-            let (offset, len): (u64, usize) =
-                (parts[2].parse().unwrap(), parts[3].parse().unwrap());
+            let (offset, len): (u64, usize) = (parts[2].parse().unwrap(), parts[3].parse().unwrap());
             let map = IpcMapping::open(&ctx_c, &IpcMemHandle(handle)).unwrap();
             let ptr = map.ptr() + offset;
             let got = download(&stream, ptr, len - offset as usize);
-            assert_bytes_eq(
-                &got,
-                &Rng::new(11).bytes(len)[offset as usize..],
-                "child read via IPC",
-            );
+            assert_bytes_eq(&got, &Rng::new(11).bytes(len)[offset as usize..], "child read via IPC");
             upload(&stream, ptr, &Rng::new(12).bytes(len - offset as usize));
             println!("child (device {last}): IPC read+write ok");
         }
         "vmm" => {
-            let (pid, remote_fd, len): (i32, i32, usize) = (
-                parts[1].parse().unwrap(),
-                parts[2].parse().unwrap(),
-                parts[3].parse().unwrap(),
-            );
+            let (pid, remote_fd, len): (i32, i32, usize) =
+                (parts[1].parse().unwrap(), parts[2].parse().unwrap(), parts[3].parse().unwrap());
             // SAFETY: plain syscalls with integer arguments; results are checked.
             let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
             let fd = if pidfd >= 0 {
@@ -750,11 +590,7 @@ fn gpu_child_process() {
             // SAFETY: pidfd_getfd returned a new fd owned by this process.
             let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
             let b = VmmAllocation::import_fd(&ctx_c, fd.as_fd(), len).unwrap();
-            assert_bytes_eq(
-                &download(&stream, b.ptr(), len),
-                &Rng::new(21).bytes(len),
-                "child read via VMM fd",
-            );
+            assert_bytes_eq(&download(&stream, b.ptr(), len), &Rng::new(21).bytes(len), "child read via VMM fd");
             upload(&stream, b.ptr(), &Rng::new(22).bytes(len));
             println!("child (device {last}): VMM fd import read+write ok");
         }

@@ -16,10 +16,7 @@ fn time_ms(ctx: &Arc<Context>, stream: &Stream, iters: usize, mut f: impl FnMut(
     for _ in 0..3 {
         f();
     }
-    let (start, end) = (
-        Event::new(ctx, true).unwrap(),
-        Event::new(ctx, true).unwrap(),
-    );
+    let (start, end) = (Event::new(ctx, true).unwrap(), Event::new(ctx, true).unwrap());
     start.record(stream).unwrap();
     for _ in 0..iters {
         f();
@@ -44,12 +41,7 @@ fn gpu_bench_paged_copy() {
     let kernels = Kernels::load(&ctx0).unwrap();
     let stream = Stream::new(&ctx0).unwrap();
     let sms = ctx0.device().multiprocessor_count().unwrap();
-    println!(
-        "device 0: {} ({} SMs); kernels {}",
-        ctx0.device().name().unwrap(),
-        sms,
-        cuda_lib::kernel_archs()
-    );
+    println!("device 0: {} ({} SMs); kernels {}", ctx0.device().name().unwrap(), sms, cuda_lib::kernel_archs());
     let mut targets = vec![("GPU0->GPU0", ctx0.clone())];
     if n > 1 {
         let ctx1 = ctx(1);
@@ -57,10 +49,7 @@ fn gpu_bench_paged_copy() {
         ctx1.enable_peer_access(&ctx0).unwrap();
         targets.push(("GPU0->GPU1", ctx1));
     }
-    println!(
-        "{:<11} {:>8} {:>7} {:>7} {:>9} {:>9}",
-        "path", "page", "blocks", "threads", "GB/s", "us/iter"
-    );
+    println!("{:<11} {:>8} {:>7} {:>7} {:>9} {:>9}", "path", "page", "blocks", "threads", "GB/s", "us/iter");
     for page_len in [64usize << 10, 16 << 10] {
         let mut rng = Rng::new(page_len as u64);
         let dst_idx = rng.distinct(POOL, PAGES);
@@ -73,14 +62,7 @@ fn gpu_bench_paged_copy() {
         let si = upload_u32(&ctx0, &stream, &src_idx);
         for (name, dctx) in &targets {
             let dst = DeviceBuffer::new(dctx, pool_bytes).unwrap();
-            let mut configs = vec![
-                (16, 256),
-                (16, 512),
-                (16, 1024),
-                (32, 512),
-                (sms, 512),
-                (sms, 1024),
-            ];
+            let mut configs = vec![(16, 256), (16, 512), (16, 1024), (32, 512), (sms, 512), (sms, 1024)];
             configs.dedup();
             for (blocks, threads) in configs {
                 let copy = PagedCopy {
@@ -124,10 +106,7 @@ fn gpu_bench_paged_copy() {
             // Copy engine, one copy per page.
             let ms = time_ms(&ctx0, &stream, 5, || {
                 for (d, s) in dst_idx.iter().zip(&src_idx) {
-                    let (d, s) = (
-                        u64::from(*d) * page_len as u64,
-                        u64::from(*s) * page_len as u64,
-                    );
+                    let (d, s) = (u64::from(*d) * page_len as u64, u64::from(*s) * page_len as u64);
                     // SAFETY: page ranges lie inside the pools.
                     unsafe { stream.memcpy_async(dst.ptr() + d, src.ptr() + s, page_len) }.unwrap();
                 }
@@ -145,17 +124,11 @@ fn gpu_bench_paged_copy() {
     // A large contiguous copy for the link's ceiling.
     for (name, dctx) in &targets {
         let len = 256 << 20;
-        let (a, b) = (
-            DeviceBuffer::new(&ctx0, len).unwrap(),
-            DeviceBuffer::new(dctx, len).unwrap(),
-        );
+        let (a, b) = (DeviceBuffer::new(&ctx0, len).unwrap(), DeviceBuffer::new(dctx, len).unwrap());
         let ms = time_ms(&ctx0, &stream, 10, || {
             // SAFETY: both buffers hold `len` bytes.
             unsafe { stream.memcpy_async(b.ptr(), a.ptr(), len) }.unwrap()
         });
-        println!(
-            "{name:<11} 256 MiB contiguous cuMemcpyAsync: {:.1} GB/s",
-            gbps(len, ms)
-        );
+        println!("{name:<11} 256 MiB contiguous cuMemcpyAsync: {:.1} GB/s", gbps(len, ms));
     }
 }

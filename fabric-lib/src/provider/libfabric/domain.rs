@@ -88,8 +88,13 @@ impl LibfabricDomain {
     /// Opens the domain named by `spec` and enables one endpoint on it.
     pub fn open(spec: &DomainSpec) -> Result<Self> {
         let info = resolve(spec)?;
-        let mut fids =
-            DomainFids { fabric: ptr::null_mut(), domain: ptr::null_mut(), cq: ptr::null_mut(), av: ptr::null_mut(), ep: ptr::null_mut() };
+        let mut fids = DomainFids {
+            fabric: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            av: ptr::null_mut(),
+            ep: ptr::null_mut(),
+        };
         // SAFETY: each call gets attributes from a valid fi_info and out-pointers we own; on any
         // failure `fids` closes whatever was opened so far.
         unsafe {
@@ -106,7 +111,10 @@ impl LibfabricDomain {
             let mut av_attr = sys::fi_av_attr { type_: sys::FI_AV_TABLE, ..Default::default() };
             check("fi_av_open", sys::shim_fi_av_open(fids.domain, &mut av_attr, &mut fids.av, ptr::null_mut()))?;
             check("fi_endpoint", sys::shim_fi_endpoint(fids.domain, raw, &mut fids.ep, ptr::null_mut()))?;
-            check("fi_ep_bind(cq)", sys::shim_fi_ep_bind(fids.ep, &mut (*fids.cq).fid, (sys::FI_TRANSMIT | sys::FI_RECV) as u64))?;
+            check(
+                "fi_ep_bind(cq)",
+                sys::shim_fi_ep_bind(fids.ep, &mut (*fids.cq).fid, (sys::FI_TRANSMIT | sys::FI_RECV) as u64),
+            )?;
             check("fi_ep_bind(av)", sys::shim_fi_ep_bind(fids.ep, &mut (*fids.av).fid, 0))?;
             check("fi_enable", sys::shim_fi_enable(fids.ep))?;
         }
@@ -254,7 +262,8 @@ impl LibfabricDomain {
         context: *mut OpContext,
     ) -> Result<Posted> {
         // SAFETY: forwarded from the caller's contract.
-        let ret = unsafe { sys::shim_fi_send(self.fids.ep, local as *const c_void, len, desc, dest, context as *mut c_void) };
+        let ret =
+            unsafe { sys::shim_fi_send(self.fids.ep, local as *const c_void, len, desc, dest, context as *mut c_void) };
         Self::posted("fi_send", ret)
     }
 
@@ -262,10 +271,23 @@ impl LibfabricDomain {
     ///
     /// # Safety
     /// As for [`LibfabricDomain::post_write`], with `buf` writable.
-    pub unsafe fn post_recv(&mut self, buf: *mut u8, len: usize, desc: *mut c_void, context: *mut OpContext) -> Result<Posted> {
+    pub unsafe fn post_recv(
+        &mut self,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        context: *mut OpContext,
+    ) -> Result<Posted> {
         // SAFETY: forwarded from the caller's contract.
         let ret = unsafe {
-            sys::shim_fi_recv(self.fids.ep, buf as *mut c_void, len, desc, libfabric_sys::FI_ADDR_UNSPEC_VALUE, context as *mut c_void)
+            sys::shim_fi_recv(
+                self.fids.ep,
+                buf as *mut c_void,
+                len,
+                desc,
+                libfabric_sys::FI_ADDR_UNSPEC_VALUE,
+                context as *mut c_void,
+            )
         };
         Self::posted("fi_recv", ret)
     }
@@ -299,8 +321,13 @@ impl LibfabricDomain {
             let mut buf = [0 as std::os::raw::c_char; 256];
             // SAFETY: cq is open; err came from it; buf has 256 bytes.
             let text = unsafe {
-                let p = sys::shim_fi_cq_strerror(self.fids.cq, err.prov_errno, err.err_data, buf.as_mut_ptr(), buf.len());
-                if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() }
+                let p =
+                    sys::shim_fi_cq_strerror(self.fids.cq, err.prov_errno, err.err_data, buf.as_mut_ptr(), buf.len());
+                if p.is_null() {
+                    String::new()
+                } else {
+                    std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+                }
             };
             let message = format!("{} (provider: {text})", super::strerror(err.err));
             out.push(Completion::Failed { context: err.op_context as *mut OpContext, message });

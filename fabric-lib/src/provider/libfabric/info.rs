@@ -32,7 +32,10 @@ pub struct DomainSpec {
 impl ProviderSpec {
     /// A spec for `provider` with the given domains.
     pub fn new(provider: Option<&str>, domains: &[&str]) -> Self {
-        ProviderSpec { provider: provider.map(str::to_string), domains: domains.iter().map(|d| d.to_string()).collect() }
+        ProviderSpec {
+            provider: provider.map(str::to_string),
+            domains: domains.iter().map(|d| d.to_string()).collect(),
+        }
     }
 
     /// The domains to open, in order (at least one).
@@ -217,16 +220,19 @@ pub fn resolve(spec: &DomainSpec) -> Result<FabricInfo> {
     };
     let candidates = query(Some(&provider))?;
     if candidates.is_empty() {
-        let available: Vec<String> = list_providers().into_iter().map(|(p, _)| p).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let available: Vec<String> = list_providers()
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
         return Err(FabricError::ProviderUnavailable(format!(
             "no libfabric provider '{provider}' offers RDM endpoints with RMA, messages and remote CQ data here (available: {})",
             if available.is_empty() { "none".to_string() } else { available.join(", ") }
         )));
     }
-    let wanted_domain = spec
-        .domain
-        .clone()
-        .or_else(|| is_software(&provider).then(|| SOFTWARE_DEFAULT_DOMAIN.to_string()));
+    let wanted_domain =
+        spec.domain.clone().or_else(|| is_software(&provider).then(|| SOFTWARE_DEFAULT_DOMAIN.to_string()));
     let domains: Vec<String> = candidates.iter().map(|i| i.domain_name()).collect();
     let pick = match &wanted_domain {
         Some(d) => candidates.into_iter().find(|i| &i.domain_name() == d),

@@ -25,12 +25,24 @@ impl LocalMr {
         requested_key: u64,
         mr_mode: u64,
     ) -> Result<Self> {
-        let access = (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV) as u64;
+        let access =
+            (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV)
+                as u64;
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
         // SAFETY: domain is open; the caller guarantees ptr/len describe memory that stays valid
         // while registered.
         let ret = unsafe {
-            sys::shim_fi_mr_reg(fids.domain, ptr as *const _, len, access, 0, requested_key, 0, &mut mr, ptr::null_mut())
+            sys::shim_fi_mr_reg(
+                fids.domain,
+                ptr as *const _,
+                len,
+                access,
+                0,
+                requested_key,
+                0,
+                &mut mr,
+                ptr::null_mut(),
+            )
         };
         if ret != 0 {
             return Err(FabricError::libfabric("fi_mr_reg", ret.into()));

@@ -50,7 +50,11 @@ pub(crate) struct LocalDst {
 /// What to copy (already checked against both regions).
 #[derive(Clone, Debug)]
 pub(crate) enum LocalCopy {
-    Contiguous { src_offset: u64, dst_offset: u64, len: u64 },
+    Contiguous {
+        src_offset: u64,
+        dst_offset: u64,
+        len: u64,
+    },
     Paged {
         page_len: u64,
         src_pages: Vec<u32>,
@@ -144,13 +148,8 @@ impl LocalChannel {
     }
 
     fn pinned(&mut self, ordinal: usize, len: usize) -> Result<PinnedHostBuffer> {
-        let best = self
-            .pool
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.len() >= len)
-            .min_by_key(|(_, b)| b.len())
-            .map(|(i, _)| i);
+        let best =
+            self.pool.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len()).map(|(i, _)| i);
         if let Some(i) = best {
             return Ok(self.pool.swap_remove(i));
         }
@@ -191,7 +190,10 @@ impl LocalChannel {
             }
             return Ok(dst.base);
         }
-        let ipc = dst.cuda.as_ref().ok_or_else(|| FabricError::InvalidDescriptor("GPU descriptor without IPC data".into()))?;
+        let ipc = dst
+            .cuda
+            .as_ref()
+            .ok_or_else(|| FabricError::InvalidDescriptor("GPU descriptor without IPC data".into()))?;
         let handle: [u8; 64] = ipc
             .handle
             .as_slice()
@@ -231,11 +233,21 @@ impl LocalChannel {
                         let d = self.device(device)?;
                         // SAFETY: both ranges were checked against their registrations; the
                         // source stays registered (in-flight count) until the event completed.
-                        if let Err(e) = unsafe { d.stream.memcpy_async(dst_base + dst_offset, src.ptr + src_offset, *len as usize) } {
+                        if let Err(e) =
+                            unsafe { d.stream.memcpy_async(dst_base + dst_offset, src.ptr + src_offset, *len as usize) }
+                        {
                             enqueue_error = Some(e.into());
                         }
                     }
-                    LocalCopy::Paged { page_len, src_pages, src_stride, src_offset, dst_pages, dst_stride, dst_offset } => {
+                    LocalCopy::Paged {
+                        page_len,
+                        src_pages,
+                        src_stride,
+                        src_offset,
+                        dst_pages,
+                        dst_stride,
+                        dst_offset,
+                    } => {
                         self.kernels(device)?;
                         let n = src_pages.len();
                         let mut idx = self.pinned(device, 8 * n)?;
@@ -439,8 +451,10 @@ pub(crate) unsafe fn process_vm_write(pid: u32, base: *const u8, pieces: &[(usiz
             // SAFETY: in bounds of the staging buffer (caller's contract).
             .map(|&(off, _, len)| libc::iovec { iov_base: unsafe { base.add(off) } as *mut libc::c_void, iov_len: len })
             .collect();
-        let mut remote: Vec<libc::iovec> =
-            chunk.iter().map(|&(_, addr, len)| libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }).collect();
+        let mut remote: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(_, addr, len)| libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len })
+            .collect();
         let mut total: usize = chunk.iter().map(|p| p.2).sum();
         // process_vm_writev may stop early; resume after the bytes it wrote.
         let (mut li, mut ri) = (0usize, 0usize);
@@ -473,7 +487,9 @@ pub(crate) unsafe fn process_vm_write(pid: u32, base: *const u8, pieces: &[(usiz
                 )));
             }
             if n == 0 {
-                return Err(FabricError::TransferFailed(format!("process_vm_writev into process {pid} made no progress")));
+                return Err(FabricError::TransferFailed(format!(
+                    "process_vm_writev into process {pid} made no progress"
+                )));
             }
             let n = n as usize;
             total -= n.min(total);

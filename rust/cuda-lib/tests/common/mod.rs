@@ -89,10 +89,7 @@ pub fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         let bad = got.iter().zip(want).filter(|(a, b)| a != b).count();
-        panic!(
-            "{what}: {bad} bytes differ, first at {i}: got {:#04x}, want {:#04x}",
-            got[i], want[i]
-        );
+        panic!("{what}: {bad} bytes differ, first at {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
     }
 }
 
@@ -110,10 +107,7 @@ pub fn reference_paged_copy(
     page_len: usize,
 ) {
     for (d, s) in dst_idx.iter().zip(src_idx) {
-        let (d, s) = (
-            *d as usize * dst_stride + dst_off,
-            *s as usize * src_stride + src_off,
-        );
+        let (d, s) = (*d as usize * dst_stride + dst_off, *s as usize * src_stride + src_off);
         dst[d..d + page_len].copy_from_slice(&src[s..s + page_len]);
     }
 }
