@@ -422,7 +422,7 @@ mod tests {
 
     #[test]
     fn host_memory_is_host_without_loading_cuda() {
-        let v = vec![0u8; 64];
+        let v = [0u8; 64];
         let loaded_before = cuda_loaded();
         assert_eq!(detect_memory_kind(v.as_ptr() as u64), MemoryKind::Host);
         assert_eq!(cuda_loaded(), loaded_before, "detection must not load libcuda");

@@ -3,43 +3,23 @@
 //! `fabric_lib.all_to_all`, which wraps this class.
 use std::time::Duration;
 
+use crate::errors::{to_pyerr, IntoPyResult as IntoPy, PyErrorClass};
 use p2p_all_to_all::{
     A2aError, AllToAll, CombineRecv, CombineSend, Config, CudaError, DispatchDtype, DispatchRecv, DispatchSend,
 };
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-fn class_name(e: &A2aError) -> &'static str {
-    match e {
-        A2aError::InvalidArgument(_) => "InvalidArgumentError",
-        A2aError::KernelsUnavailable => "CudaUnavailableError",
-        A2aError::Cuda(CudaError::DriverUnavailable(_) | CudaError::KernelsUnavailable) => "CudaUnavailableError",
-        A2aError::Cuda(CudaError::InvalidArgument(_)) => "InvalidArgumentError",
-        A2aError::Cuda(_) => "FabricError",
-        A2aError::Call { .. } | A2aError::NotConnected(_) => "FabricError",
-    }
-}
-
-fn to_pyerr(py: Python<'_>, e: A2aError) -> PyErr {
-    let message = e.to_string();
-    let built = py
-        .import("fabric_lib.errors")
-        .and_then(|m| m.getattr(class_name(&e)))
-        .and_then(|cls| cls.call1((message.clone(),)));
-    match built {
-        Ok(exc) => PyErr::from_value(exc),
-        Err(_) => PyRuntimeError::new_err(message),
-    }
-}
-
-trait IntoPy<T> {
-    fn py(self, py: Python<'_>) -> PyResult<T>;
-}
-
-impl<T> IntoPy<T> for Result<T, A2aError> {
-    fn py(self, py: Python<'_>) -> PyResult<T> {
-        self.map_err(|e| to_pyerr(py, e))
+impl PyErrorClass for A2aError {
+    fn class_name(&self) -> &'static str {
+        match self {
+            A2aError::InvalidArgument(_) => "InvalidArgumentError",
+            A2aError::KernelsUnavailable => "CudaUnavailableError",
+            A2aError::Cuda(CudaError::DriverUnavailable(_) | CudaError::KernelsUnavailable) => "CudaUnavailableError",
+            A2aError::Cuda(CudaError::InvalidArgument(_)) => "InvalidArgumentError",
+            A2aError::Cuda(_) => "FabricError",
+            A2aError::Call { .. } | A2aError::NotConnected(_) => "FabricError",
+        }
     }
 }
 

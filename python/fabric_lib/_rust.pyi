@@ -154,3 +154,76 @@ class SignalStream:
 def cuda_device_count() -> int: ...
 def cuda_kernels() -> tuple[bool, str]: ...
 def memory_kind(ptr: int) -> str: ...
+
+class AllToAll:
+    def __init__(
+        self,
+        device: int,
+        rank: int,
+        world_size: int,
+        max_num_tokens: int,
+        hidden: int,
+        num_experts: int,
+        experts_per_token: int,
+        max_tokens_per_expert: int,
+        dispatch_dtype: str,
+        timeout: float,
+    ) -> None: ...
+    def export_handle(self) -> bytes: ...
+    def connect(self, handles: list[bytes]) -> None: ...
+    @property
+    def grid(self) -> tuple[int, int]: ...
+    @property
+    def shared_bytes(self) -> int: ...
+    def dispatch_send(
+        self,
+        stream: int,
+        x: int,
+        x_stride: int,
+        scales: int,
+        scales_stride: int,
+        indices: int,
+        indices_stride: int,
+        indices_are_i64: bool,
+        num_tokens: int,
+        num_tokens_ptr: int,
+        publish_host_counts: bool,
+    ) -> None: ...
+    def dispatch_recv(self, stream: int, out_x: int, out_scales: int, out_counts: int) -> None: ...
+    def combine_send(
+        self, stream: int, expert_out: int, expert_out_stride: int, weights: int, weights_stride: int
+    ) -> None: ...
+    def combine_recv(self, stream: int, out: int, out_stride: int, num_rows: int) -> None: ...
+    def dispatch(
+        self,
+        stream: int,
+        x: int,
+        x_stride: int,
+        scales: int,
+        scales_stride: int,
+        indices: int,
+        indices_stride: int,
+        indices_are_i64: bool,
+        num_tokens: int,
+        num_tokens_ptr: int,
+        publish_host_counts: bool,
+        out_x: int,
+        out_scales: int,
+        out_counts: int,
+    ) -> None: ...
+    def combine(
+        self,
+        stream: int,
+        expert_out: int,
+        expert_out_stride: int,
+        weights: int,
+        weights_stride: int,
+        out: int,
+        out_stride: int,
+        num_rows: int,
+    ) -> None: ...
+    def errors(self) -> int: ...
+    def clear_errors(self) -> None: ...
+    def host_counts(self) -> tuple[int, list[int]]: ...
+    @staticmethod
+    def kernel_archs() -> str: ...

@@ -280,7 +280,7 @@ class AllToAll:
         if send_args is None:
             self._native.dispatch_recv(self._stream(), *recv_args)
         elif self.fused:
-            self._native.dispatch(self._stream(), *send_args, *recv_args)
+            self._native.dispatch(self._stream(), *send_args, *recv_args)  # type: ignore[call-arg]  # variadic tuple
             self._last_rows = send_args[-3]
         else:
             self._native.dispatch_send(self._stream(), *send_args)

@@ -231,11 +231,11 @@ impl LocalChannel {
                 match &copy {
                     LocalCopy::Contiguous { src_offset, dst_offset, len } => {
                         let d = self.device(device)?;
+                        let (dst_ptr, src_ptr) = (dst_base + dst_offset, src.ptr + src_offset);
                         // SAFETY: both ranges were checked against their registrations; the
                         // source stays registered (in-flight count) until the event completed.
-                        if let Err(e) =
-                            unsafe { d.stream.memcpy_async(dst_base + dst_offset, src.ptr + src_offset, *len as usize) }
-                        {
+                        let copied = unsafe { d.stream.memcpy_async(dst_ptr, src_ptr, *len as usize) };
+                        if let Err(e) = copied {
                             enqueue_error = Some(e.into());
                         }
                     }
