@@ -49,7 +49,14 @@ impl CompletionCounter {
         self.first_error.lock().clone()
     }
 
-    pub(crate) fn complete(&self, result: Result<()>) {
+    /// A completion callback that reports into this counter (for APIs that take callbacks).
+    pub fn on_done(self: &Arc<Self>) -> OnDone {
+        let me = self.clone();
+        Box::new(move |result| me.complete(result))
+    }
+
+    /// Records one finished request.
+    pub fn complete(&self, result: Result<()>) {
         if let Err(e) = result {
             self.first_error.lock().get_or_insert(e);
             self.failed.fetch_add(1, Ordering::AcqRel);
