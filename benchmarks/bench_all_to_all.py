@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -181,7 +182,8 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     L = E // world
     rows = args.max_tokens_per_expert or min(world * T, max(128, 2 * T * world * K // E))
     x, scales, idx, w = make_inputs(T, H, E, K, dtype, seed=1000 + rank)
-    a2a = AllToAll(
+    new_all_to_all = functools.partial(
+        AllToAll,
         max_num_tokens=T,
         hidden=H,
         num_experts=E,
@@ -189,6 +191,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         dispatch_dtype=dtype,
         max_tokens_per_expert=rows,
     )
+    a2a = new_all_to_all()
     expert_out = torch.randn((L, rows, H), device="cuda").bfloat16()
     work_a = torch.randn((2048, 4096), device="cuda").bfloat16()
     work_b = torch.randn((4096, 4096), device="cuda").bfloat16()
@@ -249,14 +252,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
             env["FABRIC_A2A_TMA"] = fields[2]
         os.environ.update(env)
         try:
-            sw = AllToAll(
-                max_num_tokens=T,
-                hidden=H,
-                num_experts=E,
-                experts_per_token=K,
-                dispatch_dtype=dtype,
-                max_tokens_per_expert=rows,
-            )
+            sw = new_all_to_all()
         finally:
             for k in env:
                 del os.environ[k]

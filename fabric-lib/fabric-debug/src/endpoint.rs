@@ -38,10 +38,9 @@ impl EngineArgs {
         let Some(n) = self.domain_count.filter(|_| self.domains.is_empty()) else {
             return Ok(self.domains.clone());
         };
-        let software =
-            self.provider.as_deref().is_none_or(|p| ["tcp", "udp", "sockets"].iter().any(|s| p.starts_with(s)));
-        if software {
-            return Ok(vec!["lo".to_string(); n]);
+        use fabric_lib::provider::libfabric::{is_software, SOFTWARE_DEFAULT_DOMAIN};
+        if self.provider.as_deref().is_none_or(is_software) {
+            return Ok(vec![SOFTWARE_DEFAULT_DOMAIN.to_string(); n]);
         }
         let nics = fabric_lib::topology::detect(std::path::Path::new("/"))
             .device("host")

@@ -7,6 +7,7 @@ use fabric_lib::{CompletionCounter, DomainChoice, MrDescriptor, MrHandle, Transf
 use crate::bail;
 use crate::error::{Context, Result};
 use crate::report::{median, OpRate, Throughput};
+use crate::tracker::check_counter;
 use crate::units::format_size;
 
 /// Where writes go: a local source region and the peer's destination region.
@@ -47,17 +48,11 @@ impl Target<'_> {
         // Completions are counted by the worker itself (no callback-thread hop per write).
         let counter = CompletionCounter::new();
         let window = window.max(1);
-        let check = |counter: &CompletionCounter| -> Result<()> {
-            match counter.first_error() {
-                Some(e) => bail!("{} write(s) failed; first: {e}", counter.failed()),
-                None => Ok(()),
-            }
-        };
         let start = Instant::now();
         for i in 0..writes {
             if i >= window {
                 counter.wait_for(i - window + 1, self.stall).context("waiting for the window")?;
-                check(&counter)?;
+                check_counter(&counter)?;
             }
             let req = WriteRequest {
                 src: self.src,
@@ -73,7 +68,7 @@ impl Target<'_> {
                 .with_context(|| format!("posting write {i} of {writes} ({} bytes)", size))?;
         }
         counter.wait_for(writes, self.stall).with_context(|| format!("waiting for {writes} completions"))?;
-        check(&counter)?;
+        check_counter(&counter)?;
         Ok(start.elapsed())
     }
 

@@ -57,6 +57,14 @@ pub fn spin_until(mut ready: impl FnMut() -> bool, mut progress: impl FnMut() ->
     Ok(())
 }
 
+/// Fails if any operation counted by `counter` failed so far.
+pub fn check_counter(counter: &CompletionCounter) -> Result<()> {
+    match counter.first_error() {
+        Some(e) => bail!("{} operation(s) failed; first: {e}", counter.failed()),
+        None => Ok(()),
+    }
+}
+
 /// Completion counter shared with the callbacks of one batch of operations: fabric-lib's
 /// [`CompletionCounter`] plus the way this tool waits on it.
 pub struct Tracker {
@@ -82,10 +90,7 @@ impl Tracker {
 
     /// Fails if any operation failed so far.
     pub fn check(&self) -> Result<()> {
-        match self.counter.first_error() {
-            Some(e) => bail!("{} operation(s) failed; first: {e}", self.counter.failed()),
-            None => Ok(()),
-        }
+        check_counter(&self.counter)
     }
 
     /// Waits until all `posted` operations completed, then reports any failure.

@@ -9,7 +9,7 @@ use crate::error::{FabricError, Result};
 /// RDMA providers tried, in order, when none is named.
 const HARDWARE_PROVIDERS: [&str; 2] = ["efa", "verbs;ofi_rxm"];
 /// Interface used by software providers when none is named: loopback.
-const SOFTWARE_DEFAULT_DOMAIN: &str = "lo";
+pub const SOFTWARE_DEFAULT_DOMAIN: &str = "lo";
 
 /// Which provider and domains (NICs) a device's engine should open.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -242,7 +242,8 @@ pub fn list_providers() -> Vec<(String, String)> {
         .collect()
 }
 
-fn is_software(provider: &str) -> bool {
+/// Whether `provider` is a software provider (tcp, udp, sockets) that runs over IP interfaces.
+pub fn is_software(provider: &str) -> bool {
     ["tcp", "udp", "sockets"].iter().any(|p| provider.starts_with(p))
 }
 

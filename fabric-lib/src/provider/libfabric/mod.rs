@@ -7,7 +7,7 @@ mod mr;
 
 pub use context::{OpContext, OpKind};
 pub use domain::{Completion, LibfabricDomain, Posted, CQ_BATCH};
-pub use info::{list_providers, DomainSpec, ProviderSpec};
+pub use info::{is_software, list_providers, DomainSpec, ProviderSpec, SOFTWARE_DEFAULT_DOMAIN};
 pub use mr::LocalMr;
 
 use std::ffi::CStr;
