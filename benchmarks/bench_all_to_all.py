@@ -16,7 +16,8 @@ behind a sleep kernel, so host launch overhead is not counted):
   combine as the reverse ``all_to_all_single`` plus an fp32 ``index_add_``.
 
 ``--sweep D:C[:TMA] ...`` also times fused calls of prefill-sized configs with D / C sending warps
-per block (and the bulk copy engine on or off for dispatch): ``dispatch@SPEC`` / ``combine@SPEC``.
+per block (and the bulk copy engine on or off for dispatch): ``dispatch@SPEC`` / ``combine@SPEC``,
+each object also passing the combine spot check (``max_combine_error``).
 
 p50 and p99 go to stdout and JSON (``--out``), and a PNG next to it when matplotlib is installed.
 Only NVLink ranks of one host are implemented (``--nvlink``); ``--nets-per-gpu`` and
@@ -72,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="D:C[:TMA]",
         help="also time fused dispatch / combine with D / C sending warps per block (1..16; the "
-        "others receive meanwhile) and the bulk copy engine on (1) or off (0) for dispatch, for "
-        "configs of at least --sweep-min-tokens tokens (results: dispatch@SPEC, combine@SPEC)",
+        "others receive meanwhile) and the bulk copy engine on (1) or off (0) for dispatch (an empty "
+        "field keeps the default), for configs of at least --sweep-min-tokens tokens (results: dispatch@SPEC, combine@SPEC)",
     )
     p.add_argument("--sweep-min-tokens", type=int, default=1024)
     p.add_argument("--sweep-iters", type=int, default=60)
@@ -182,6 +183,19 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     L = E // world
     rows = args.max_tokens_per_expert or min(world * T, max(128, 2 * T * world * K // E))
     x, scales, idx, w = make_inputs(T, H, E, K, dtype, seed=1000 + rank)
+    # Correctness spot check of the benchmarked shapes: combine of "identity experts" = x * sum(w).
+    ref = x.float() if scales is None else (x.float().view(T, H // 128, 128) * scales[..., None]).view(T, H)
+    ref = ref * w.sum(-1, keepdim=True)
+
+    def combine_error(a2a: Any) -> float:
+        out = a2a.dispatch(x, idx, scales=scales)
+        xf = out.x.float()
+        if out.scales is not None:
+            xf = xf * out.scales.repeat_interleave(128, dim=-1)
+        got = a2a.combine(xf.bfloat16(), idx, w)
+        a2a.check()
+        return float(((got.float() - ref).abs() - 2e-2 * ref.abs()).amax()) if T else 0.0
+
     new_all_to_all = functools.partial(
         AllToAll,
         max_num_tokens=T,
@@ -231,25 +245,13 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         )
     record(["combine_send", "work", "combine_recv"])
     a2a.check()
-    # Correctness spot check of the benchmarked shapes: combine of "identity experts" = x * sum(w).
-    out = a2a.dispatch(x, idx, scales=scales)
-    xf = out.x.float()
-    if out.scales is not None:
-        xf = xf * out.scales.repeat_interleave(128, dim=-1)
-    got = a2a.combine(xf.bfloat16(), idx, w)
-    ref = x.float() if scales is None else (x.float().view(T, H // 128, 128) * scales[..., None]).view(T, H)
-    ref = ref * w.sum(-1, keepdim=True)
-    max_err = float(((got.float() - ref).abs() - 2e-2 * ref.abs()).amax()) if T else 0.0
-    a2a.check()
+    max_err = combine_error(a2a)
     a2a.destroy()
-    del out, xf, got
 
     # Sending warps per block of fused calls (read from the environment when the object is made).
     for spec in args.sweep if T >= args.sweep_min_tokens else []:
-        fields = spec.split(":")
-        env = {"FABRIC_A2A_DISPATCH_SEND_WARPS": fields[0], "FABRIC_A2A_COMBINE_SEND_WARPS": fields[1]}
-        if len(fields) > 2:
-            env["FABRIC_A2A_TMA"] = fields[2]
+        names = ["FABRIC_A2A_DISPATCH_SEND_WARPS", "FABRIC_A2A_COMBINE_SEND_WARPS", "FABRIC_A2A_TMA"]
+        env = {k: v for k, v in zip(names, spec.split(":"), strict=False) if v}
         os.environ.update(env)
         try:
             sw = new_all_to_all()
@@ -263,6 +265,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
             timer.phase([lambda: sw.combine(expert_out, idx, w)])
         record([f"combine@{spec}"])
         sw.check()
+        max_err = max(max_err, combine_error(sw))
         sw.destroy()
 
     if not args.no_nccl:

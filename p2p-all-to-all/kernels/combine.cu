@@ -12,9 +12,12 @@ struct CombineCtx {
     uint32_t n, my_T, max_T;
 };
 
-// Every thread of the block calls this. With the send half, blocks 0..W-1 then publish my weights to peer blockIdx.x: (seq << 32) | fp32 bits per word, so a peer
-// reads each weight as soon as it lands (no flag, no fence). Seeing seq n in a weight also tells
-// the peer that this rank finished its previous combine (it may overwrite my partials).
+// Every thread of the block calls this. With the send half, every block then publishes its slice
+// of my weights to every rank: (seq << 32) | fp32 bits per word, so a peer reads each weight as
+// soon as it lands (no flag, no fence). Slices keep the blocks even (a few KiB each; one block
+// per peer publishing everything started those blocks' partials late: 5 us at prefill). Seeing
+// seq n in a weight also tells the peer that this rank finished its previous combine (it may
+// overwrite my partials): launches of this rank are stream-ordered.
 __device__ __forceinline__ CombineCtx combine_prologue(const A2ACommon& c, const A2ACombineSendArgs* send, bool do_recv, uint32_t* s_T) {
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, me = (uint32_t)c.rank;
     __shared__ uint32_t s_n, s_my_T;
@@ -47,25 +50,17 @@ __device__ __forceinline__ CombineCtx combine_prologue(const A2ACommon& c, const
     x.max_T = 0;
     for (uint32_t s = 0; s < W; ++s) x.max_T = max(x.max_T, s_T[s]);
 
-    if (send && blockIdx.x < W) {
+    if (send) {
         const A2ACombineSendArgs& a = *send;
-        const uint32_t d = blockIdx.x;
-        uint64_t* dst = reinterpret_cast<uint64_t*>(shared_of(c, d) + c.off_cw) + (uint64_t)me * c.max_tokens * K;
         const float* w = reinterpret_cast<const float*>(a.weights);
-        const uint32_t total = x.my_T * K;
+        const uint32_t total = x.my_T * K, per = (total + gridDim.x - 1) / gridDim.x;
+        const uint32_t lo = min(total, blockIdx.x * per), hi = min(total, lo + per);
         const uint64_t tag = (uint64_t)x.n << 32;
-        const bool flat = a.weights_stride == K;
-        for (uint32_t i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
-            float v[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const uint32_t i = i0 + u * blockDim.x;
-                if (i < total) v[u] = __ldg(flat ? w + i : w + (uint64_t)(i / K) * a.weights_stride + i % K);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const uint32_t i = i0 + u * blockDim.x;
-                if (i < total) st_relaxed_sys(dst + i, tag | __float_as_uint(v[u]));
+        for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float v = __ldg(a.weights_stride == K ? w + i : w + (uint64_t)(i / K) * a.weights_stride + i % K);
+            for (uint32_t d = 0; d < W; ++d) {
+                uint64_t* dst = reinterpret_cast<uint64_t*>(shared_of(c, d) + c.off_cw) + (uint64_t)me * c.max_tokens * K;
+                st_relaxed_sys(dst + i, tag | __float_as_uint(v));
             }
         }
     }

@@ -162,7 +162,7 @@ impl AllToAll {
         let ctx = Context::new(device)?;
         let sms = ctx.device().multiprocessor_count()?;
         // Dispatch kernels run two blocks per multiprocessor (few registers, latency-bound);
-        // combine kernels one (more registers). Combine send needs a block per rank. Every rank
+        // combine kernels one (more registers). Every rank
         // must use the same dispatch grid (receivers follow the senders' token chunks).
         let dispatch_grid = 2 * sms;
         let combine_grid = sms.max(cfg.world_size as u32);
