@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="D:C[:TMA]",
         help="also time fused dispatch / combine with D / C sending warps per block (1..16; the "
         "others receive meanwhile) and the bulk copy engine on (1) or off (0) for dispatch (an empty "
-        "field keeps the default), for configs of at least --sweep-min-tokens tokens (results: dispatch@SPEC, combine@SPEC)",
+        "field keeps the default), for configs of at least --sweep-min-tokens tokens (results: "
+        "dispatch@SPEC, combine@SPEC)",
     )
     p.add_argument("--sweep-min-tokens", type=int, default=1024)
     p.add_argument("--sweep-iters", type=int, default=60)

@@ -56,8 +56,9 @@ __device__ __forceinline__ CombineCtx combine_prologue(const A2ACommon& c, const
         const uint32_t total = x.my_T * K, per = (total + gridDim.x - 1) / gridDim.x;
         const uint32_t lo = min(total, blockIdx.x * per), hi = min(total, lo + per);
         const uint64_t tag = (uint64_t)x.n << 32;
+        const bool flat = a.weights_stride == K;
         for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            const float v = __ldg(a.weights_stride == K ? w + i : w + (uint64_t)(i / K) * a.weights_stride + i % K);
+            const float v = __ldg(flat ? w + i : w + (uint64_t)(i / K) * a.weights_stride + i % K);
             for (uint32_t d = 0; d < W; ++d) {
                 uint64_t* dst = reinterpret_cast<uint64_t*>(shared_of(c, d) + c.off_cw) + (uint64_t)me * c.max_tokens * K;
                 st_relaxed_sys(dst + i, tag | __float_as_uint(v));

@@ -162,10 +162,10 @@ impl AllToAll {
         let ctx = Context::new(device)?;
         let sms = ctx.device().multiprocessor_count()?;
         // Dispatch kernels run two blocks per multiprocessor (few registers, latency-bound);
-        // combine kernels one (more registers). Every rank
-        // must use the same dispatch grid (receivers follow the senders' token chunks).
+        // combine kernels one (more registers). Every rank must use the same dispatch grid
+        // (receivers follow the senders' token chunks).
         let dispatch_grid = 2 * sms;
-        let combine_grid = sms.max(cfg.world_size as u32);
+        let combine_grid = sms;
         if dispatch_grid as usize > MAX_GRID || combine_grid as usize > MAX_GRID {
             return Err(invalid!("{sms} multiprocessors: more blocks per launch than {MAX_GRID}"));
         }
