@@ -19,7 +19,8 @@
 //   state (local device memory):
 //     seq[4][A2A_MAX_GRID] u32 (per kernel kind and block), poison u32, my_tokens u32,
 //     recv_tokens[W] u32, token_mask[Tmax] u32, map[W][Tmax][K] i32 (row of the expert-major
-//     output; A2A_NOT_MINE when the slot did not come here, A2A_DROPPED when it overflowed)
+//     output; A2A_NOT_MINE when the slot did not come here, A2A_DROPPED when it overflowed),
+//     queue[2] u32 (combine senders' next item, by call parity)
 //   host block (pinned, mapped): err[8] u32, counts seq u64 at 64, counts[E] u32 at 128.
 //
 // Sequence numbers are kept per block (every launch of a kind has the same grid), so no block
@@ -56,10 +57,10 @@ struct A2ACommon {
     uint64_t data_bytes, num_scales, rec_bytes, timeout_ns;
     uint64_t state, host, send_grid;
     uint64_t off_dcf, off_dcnt, off_dtf, off_hdr, off_data, off_cw, off_ctf, off_cdata;
-    uint64_t st_seq, st_poison, st_my_tokens, st_recv_tokens, st_token_mask, st_map;
+    uint64_t st_seq, st_poison, st_my_tokens, st_recv_tokens, st_token_mask, st_map, st_queue;
     uint64_t peers[A2A_MAX_PEERS];  // base of every rank's shared region in this process (own too)
 };
-static_assert(sizeof(A2ACommon) == (29 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
+static_assert(sizeof(A2ACommon) == (30 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
 
 struct A2ADispatchSendArgs {
     A2ACommon c;

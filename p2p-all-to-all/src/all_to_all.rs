@@ -323,6 +323,7 @@ impl AllToAll {
             st_recv_tokens: l.st_recv_tokens as u64,
             st_token_mask: l.st_token_mask as u64,
             st_map: l.st_map as u64,
+            st_queue: l.st_queue as u64,
             peers: peer_ptrs,
         });
         self.peers = peers;

@@ -61,6 +61,8 @@ pub struct Layout {
     pub st_token_mask: usize,
     /// `map[W][Tmax][K]` i32.
     pub st_map: usize,
+    /// `queue[2]` u32: the combine senders' work counters, by call parity.
+    pub st_queue: usize,
     /// Size of the pinned host block.
     pub host_bytes: usize,
 }
@@ -100,6 +102,7 @@ impl Layout {
         let st_recv_tokens = take(4 * w);
         let st_token_mask = take(4 * t);
         let st_map = take(4 * w * t * k);
+        let st_queue = take(4 * 2);
         let state_bytes = at;
         Layout {
             shared_bytes,
@@ -120,6 +123,7 @@ impl Layout {
             st_recv_tokens,
             st_token_mask,
             st_map,
+            st_queue,
             host_bytes: align(HOST_COUNTS_OFFSET + 4 * cfg.num_experts),
         }
     }
@@ -167,8 +171,16 @@ mod tests {
             assert_eq!(l.off_cdata - l.off_data, 2 * 4 * 128 * l.rec_bytes);
             assert_eq!(l.shared_bytes - l.off_cdata, 2 * 4 * 128 * 7168);
             assert_eq!(l.off_hdr - l.off_ctf, 8 * 4 * 128 * 7);
-            let states =
-                [l.st_seq, l.st_poison, l.st_my_tokens, l.st_recv_tokens, l.st_token_mask, l.st_map, l.state_bytes];
+            let states = [
+                l.st_seq,
+                l.st_poison,
+                l.st_my_tokens,
+                l.st_recv_tokens,
+                l.st_token_mask,
+                l.st_map,
+                l.st_queue,
+                l.state_bytes,
+            ];
             assert!(states.windows(2).all(|p| p[0] < p[1]), "{states:?}");
         }
         let fp8 = Layout::new(&cfg(DispatchDtype::Fp8E4m3, 128));

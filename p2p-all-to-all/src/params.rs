@@ -35,10 +35,11 @@ pub struct Common {
     pub st_recv_tokens: u64,
     pub st_token_mask: u64,
     pub st_map: u64,
+    pub st_queue: u64,
     pub peers: [u64; MAX_PEERS],
 }
 
-const _: () = assert!(std::mem::size_of::<Common>() == (29 + MAX_PEERS) * 8);
+const _: () = assert!(std::mem::size_of::<Common>() == (30 + MAX_PEERS) * 8);
 
 /// `A2ADispatchSendArgs`.
 #[repr(C)]
