@@ -415,11 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     if world < 1 or world > gpus:
         sys.exit(f"--world-size {world} needs that many GPUs on this host (found {gpus})")
     if args.init_method is None:
-        import socket
+        from fabric_lib.distributed import rendezvous_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            args.init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        args.init_method = f"tcp://127.0.0.1:{rendezvous_port()}"
     import torch.multiprocessing as mp
 
     mp.spawn(worker, args=(args, world), nprocs=world, join=True)

@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -50,12 +49,6 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pattern(seed: int, n: int):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -20,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fabric_lib
+from fabric_lib.distributed import rendezvous_port
 from fabric_lib.errors import FabricTimeoutError, InvalidArgumentError
 
 HIDDEN = 512
@@ -598,12 +598,6 @@ def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _cache: dict[int, dict[int, dict[str, str]]] = {}
 
 
@@ -614,7 +608,7 @@ def _run_world(world: int) -> dict[int, dict[str, str]]:
 
     ctx = mp.get_context("spawn")
     out_dir = tempfile.mkdtemp(prefix=f"a2a-test-{world}-")
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{rendezvous_port()}"
     procs = [ctx.Process(target=_worker, args=(r, world, init, out_dir)) for r in range(world)]
     for p in procs:
         p.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mp_helpers as mh
 import pytest
+from fabric_lib.distributed import _ephemeral_low, rendezvous_port
 
 WORLD = 3
 PROVIDERS = [p for p in mh.LOOPBACK_PROVIDERS if mh.provider_available(p)]
@@ -22,7 +23,7 @@ def bootstrap_reports() -> dict[str, dict[int, dict]] | str:
     """{provider: {rank: report}}, or the failure text of the first rank that failed."""
     pytest.importorskip("torch.distributed")
     try:
-        per_rank = mh.run_ranks(mh.bootstrap_rank, WORLD, (mh.free_port(), PROVIDERS), timeout=150)
+        per_rank = mh.run_ranks(mh.bootstrap_rank, WORLD, (rendezvous_port(), PROVIDERS), timeout=150)
     except mh.PeerError as e:
         return str(e)
     return {p: {rank: per_rank[rank][p] for rank in per_rank} for p in PROVIDERS}
@@ -37,3 +38,16 @@ def test_exchange_then_all_to_all_writes(bootstrap_reports, provider: str) -> No
     for rank, report in reports.items():
         assert report["provider"].split(";")[0] == provider.split(";")[0], report
         assert report["stop_s"] < 3.0, (rank, report)
+
+
+def test_rendezvous_port_is_free_and_below_the_ephemeral_range() -> None:
+    # A port from the ephemeral range can be given to an early client's outgoing connection
+    # before the store listens on it (EADDRINUSE); a lower one cannot.
+    import socket
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = rendezvous_port()
+        assert 1024 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .engine import EngineAddress, MrDescriptor, TransferEngine
 
-__all__ = ["PeerInfo", "exchange"]
+__all__ = ["PeerInfo", "exchange", "rendezvous_port"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +46,35 @@ def exchange(
         )
         for rank, (address, descs) in enumerate(gathered)
     ]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def rendezvous_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` for a ``tcp://`` rendezvous, taken below the ephemeral range.
+
+    A port found by binding to port 0 comes from the ephemeral range, so the kernel may give it
+    to another socket's outgoing connection before the store listens on it (a rank connecting
+    early), and the store then fails with EADDRINUSE: seen once in a few dozen benchmark runs.
+    Falls back to such a port when no lower one can be bound.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    if low > 2048:
+        for _ in range(100):
+            port = rng.randrange(max(1024, low - 20000), low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
