@@ -80,6 +80,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 struct SendCtx {
     uint32_t n, T, cs, ce;
     const int* pos;  // [ce - cs][K] shared: row of each (token, slot) among my rows of its expert
+    uint32_t* next;  // shared: the block's next token to send (offset in its chunk)
 };
 
 // Dynamic shared memory: base[E] i32 (rows of each expert before this block's tokens), hist[E]
@@ -96,7 +97,7 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
     int* base = smem;
     int* hist = smem + E;
     int* pos = smem + 2 * E;
-    __shared__ uint32_t s_n, s_T;
+    __shared__ uint32_t s_n, s_T, s_next;
 
     // Pull this block's first token (by the rows of x) into L2 while the prologue runs.
     {
@@ -121,6 +122,7 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
         if (rn != sn && blockIdx.x == 0) set_error(c, A2A_ERR_CALL_ORDER);
         const uint32_t n = sn + 1;
         *ss = n;
+        s_next = 0;
         if (fused) *rs = n;
         s_n = n;
         uint32_t T = (uint32_t)a.num_tokens;
@@ -188,6 +190,7 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
     x.cs = cs;
     x.ce = ce;
     x.pos = pos;
+    x.next = &s_next;
     return x;
 }
 
@@ -308,14 +311,16 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
     }
 }
 
-// Warp `wi` of `nw` sending warps of this block sends tokens cs + wi, cs + wi + nw, ...: every
-// block advances through its chunk in order, which is the order the receivers take them in.
+// Sending warp `wi` of `nw` of this block: takes the block's tokens in order, the next one from a
+// shared counter, which is the order the receivers take them in. (Tokens cs + wi, cs + wi + nw,
+// ... per warp ended the prefill dispatch 6 us later: releases wait behind the NVLink queue for
+// longer on some warps than on others.)
 // tma_smem: see A2ADispatchArgs (0: registers).
 __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& a, const SendCtx& x, uint32_t wi, uint32_t nw,
                                                      uint64_t tma_smem) {
     const uint32_t K = (uint32_t)a.c.topk;
     TmaSlot tma = {nullptr, nullptr, 0};
-    if (tma_smem && x.cs + wi < x.ce) {
+    if (tma_smem && x.cs < x.ce) {
         extern __shared__ __align__(128) int smem[];
         uint8_t* region = reinterpret_cast<uint8_t*>(smem) + tma_smem;
         tma.buf = region + (uint64_t)wi * a.c.rec_bytes;
@@ -323,7 +328,11 @@ __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& 
         if (lane_id() == 0) mbar_init(tma.bar);
         __syncwarp();
     }
-    for (uint32_t t = x.cs + wi; t < x.ce; t += nw) {
+    for (;;) {
+        uint32_t k = 0;
+        if (lane_id() == 0) k = atomicAdd(x.next, 1u);
+        const uint32_t t = x.cs + __shfl_sync(0xffffffffu, k, 0);
+        if (t >= x.ce) break;
         send_token(a, x.n, t, x.pos + (t - x.cs) * K, tma);
     }
 }
