@@ -23,6 +23,73 @@ impl PyErrorClass for A2aError {
     }
 }
 
+// The halves' arguments as the Python wrapper packs them: one tuple per half, so the separate
+// and the fused calls share them.
+
+/// (x, x_stride, scales, scales_stride, indices, indices_stride, indices_are_i64, num_tokens,
+/// num_tokens_ptr, publish_host_counts).
+#[derive(FromPyObject)]
+pub struct DispatchSendArgs(u64, u64, u64, u64, u64, u64, bool, usize, u64, bool);
+
+impl From<DispatchSendArgs> for DispatchSend {
+    fn from(a: DispatchSendArgs) -> Self {
+        let DispatchSendArgs(
+            x,
+            x_stride,
+            scales,
+            scales_stride,
+            indices,
+            indices_stride,
+            indices_are_i64,
+            num_tokens,
+            num_tokens_ptr,
+            publish_host_counts,
+        ) = a;
+        DispatchSend {
+            x,
+            x_stride,
+            scales,
+            scales_stride,
+            indices,
+            indices_stride,
+            indices_are_i64,
+            num_tokens,
+            num_tokens_ptr,
+            publish_host_counts,
+        }
+    }
+}
+
+/// (out_x, out_scales, out_counts).
+#[derive(FromPyObject)]
+pub struct DispatchRecvArgs(u64, u64, u64);
+
+impl From<DispatchRecvArgs> for DispatchRecv {
+    fn from(DispatchRecvArgs(out_x, out_scales, out_counts): DispatchRecvArgs) -> Self {
+        DispatchRecv { out_x, out_scales, out_counts }
+    }
+}
+
+/// (expert_out, expert_out_stride, weights, weights_stride).
+#[derive(FromPyObject)]
+pub struct CombineSendArgs(u64, u64, u64, u64);
+
+impl From<CombineSendArgs> for CombineSend {
+    fn from(CombineSendArgs(expert_out, expert_out_stride, weights, weights_stride): CombineSendArgs) -> Self {
+        CombineSend { expert_out, expert_out_stride, weights, weights_stride }
+    }
+}
+
+/// (out, out_stride, num_rows).
+#[derive(FromPyObject)]
+pub struct CombineRecvArgs(u64, u64, usize);
+
+impl From<CombineRecvArgs> for CombineRecv {
+    fn from(CombineRecvArgs(out, out_stride, num_rows): CombineRecvArgs) -> Self {
+        CombineRecv { out, out_stride, num_rows }
+    }
+}
+
 /// Native all-to-all; use `fabric_lib.all_to_all.AllToAll`, which wraps it.
 #[pyclass(name = "AllToAll", module = "fabric_lib._rust")]
 pub struct PyAllToAll {
@@ -100,124 +167,37 @@ impl PyAllToAll {
         self.inner.layout().shared_bytes
     }
 
-    #[pyo3(signature = (stream, x, x_stride, scales, scales_stride, indices, indices_stride, indices_are_i64,
-                        num_tokens, num_tokens_ptr, publish_host_counts))]
-    #[allow(clippy::too_many_arguments)]
-    fn dispatch_send(
-        &self,
-        py: Python<'_>,
-        stream: u64,
-        x: u64,
-        x_stride: u64,
-        scales: u64,
-        scales_stride: u64,
-        indices: u64,
-        indices_stride: u64,
-        indices_are_i64: bool,
-        num_tokens: usize,
-        num_tokens_ptr: u64,
-        publish_host_counts: bool,
-    ) -> PyResult<()> {
-        let a = DispatchSend {
-            x,
-            x_stride,
-            scales,
-            scales_stride,
-            indices,
-            indices_stride,
-            indices_are_i64,
-            num_tokens,
-            num_tokens_ptr,
-            publish_host_counts,
-        };
+    fn dispatch_send(&self, py: Python<'_>, stream: u64, send: DispatchSendArgs) -> PyResult<()> {
         // SAFETY: the Python wrapper passes data pointers of live CUDA tensors of this device with
         // checked shapes, and keeps them alive on the stream (torch's stream semantics).
-        unsafe { self.inner.dispatch_send(stream, &a) }.py(py)
+        unsafe { self.inner.dispatch_send(stream, &send.into()) }.py(py)
     }
 
-    fn dispatch_recv(&self, py: Python<'_>, stream: u64, out_x: u64, out_scales: u64, out_counts: u64) -> PyResult<()> {
-        let a = DispatchRecv { out_x, out_scales, out_counts };
+    fn dispatch_recv(&self, py: Python<'_>, stream: u64, recv: DispatchRecvArgs) -> PyResult<()> {
         // SAFETY: as for dispatch_send.
-        unsafe { self.inner.dispatch_recv(stream, &a) }.py(py)
+        unsafe { self.inner.dispatch_recv(stream, &recv.into()) }.py(py)
     }
 
-    fn combine_send(
-        &self,
-        py: Python<'_>,
-        stream: u64,
-        expert_out: u64,
-        expert_out_stride: u64,
-        weights: u64,
-        weights_stride: u64,
-    ) -> PyResult<()> {
-        let a = CombineSend { expert_out, expert_out_stride, weights, weights_stride };
+    fn combine_send(&self, py: Python<'_>, stream: u64, send: CombineSendArgs) -> PyResult<()> {
         // SAFETY: as for dispatch_send.
-        unsafe { self.inner.combine_send(stream, &a) }.py(py)
+        unsafe { self.inner.combine_send(stream, &send.into()) }.py(py)
     }
 
-    fn combine_recv(&self, py: Python<'_>, stream: u64, out: u64, out_stride: u64, num_rows: usize) -> PyResult<()> {
-        let a = CombineRecv { out, out_stride, num_rows };
+    fn combine_recv(&self, py: Python<'_>, stream: u64, recv: CombineRecvArgs) -> PyResult<()> {
         // SAFETY: as for dispatch_send.
-        unsafe { self.inner.combine_recv(stream, &a) }.py(py)
+        unsafe { self.inner.combine_recv(stream, &recv.into()) }.py(py)
     }
 
-    /// Both halves of dispatch in one launch (arguments of dispatch_send, then dispatch_recv).
-    #[pyo3(signature = (stream, x, x_stride, scales, scales_stride, indices, indices_stride, indices_are_i64,
-                        num_tokens, num_tokens_ptr, publish_host_counts, out_x, out_scales, out_counts))]
-    #[allow(clippy::too_many_arguments)]
-    fn dispatch(
-        &self,
-        py: Python<'_>,
-        stream: u64,
-        x: u64,
-        x_stride: u64,
-        scales: u64,
-        scales_stride: u64,
-        indices: u64,
-        indices_stride: u64,
-        indices_are_i64: bool,
-        num_tokens: usize,
-        num_tokens_ptr: u64,
-        publish_host_counts: bool,
-        out_x: u64,
-        out_scales: u64,
-        out_counts: u64,
-    ) -> PyResult<()> {
-        let send = DispatchSend {
-            x,
-            x_stride,
-            scales,
-            scales_stride,
-            indices,
-            indices_stride,
-            indices_are_i64,
-            num_tokens,
-            num_tokens_ptr,
-            publish_host_counts,
-        };
-        let recv = DispatchRecv { out_x, out_scales, out_counts };
+    /// Both halves of dispatch in one launch.
+    fn dispatch(&self, py: Python<'_>, stream: u64, send: DispatchSendArgs, recv: DispatchRecvArgs) -> PyResult<()> {
         // SAFETY: as for dispatch_send.
-        unsafe { self.inner.dispatch(stream, &send, &recv) }.py(py)
+        unsafe { self.inner.dispatch(stream, &send.into(), &recv.into()) }.py(py)
     }
 
-    /// Both halves of combine in one launch (arguments of combine_send, then combine_recv).
-    #[allow(clippy::too_many_arguments)]
-    fn combine(
-        &self,
-        py: Python<'_>,
-        stream: u64,
-        expert_out: u64,
-        expert_out_stride: u64,
-        weights: u64,
-        weights_stride: u64,
-        out: u64,
-        out_stride: u64,
-        num_rows: usize,
-    ) -> PyResult<()> {
-        let send = CombineSend { expert_out, expert_out_stride, weights, weights_stride };
-        let recv = CombineRecv { out, out_stride, num_rows };
+    /// Both halves of combine in one launch.
+    fn combine(&self, py: Python<'_>, stream: u64, send: CombineSendArgs, recv: CombineRecvArgs) -> PyResult<()> {
         // SAFETY: as for dispatch_send.
-        unsafe { self.inner.combine(stream, &send, &recv) }.py(py)
+        unsafe { self.inner.combine(stream, &send.into(), &recv.into()) }.py(py)
     }
 
     /// Bits of errors the kernels reported (see fabric_lib.all_to_all).

@@ -155,6 +155,15 @@ def cuda_device_count() -> int: ...
 def cuda_kernels() -> tuple[bool, str]: ...
 def memory_kind(ptr: int) -> str: ...
 
+# The halves' arguments, one tuple each (see python-ext/src/all_to_all.rs): x, x_stride,
+# scales, scales_stride, indices, indices_stride, indices_are_i64, num_tokens, num_tokens_ptr,
+# publish_host_counts / out_x, out_scales, out_counts / expert_out, expert_out_stride, weights,
+# weights_stride / out, out_stride, num_rows.
+DispatchSendArgs = tuple[int, int, int, int, int, int, bool, int, int, bool]
+DispatchRecvArgs = tuple[int, int, int]
+CombineSendArgs = tuple[int, int, int, int]
+CombineRecvArgs = tuple[int, int, int]
+
 class AllToAll:
     def __init__(
         self,
@@ -175,53 +184,12 @@ class AllToAll:
     def grid(self) -> tuple[int, int]: ...
     @property
     def shared_bytes(self) -> int: ...
-    def dispatch_send(
-        self,
-        stream: int,
-        x: int,
-        x_stride: int,
-        scales: int,
-        scales_stride: int,
-        indices: int,
-        indices_stride: int,
-        indices_are_i64: bool,
-        num_tokens: int,
-        num_tokens_ptr: int,
-        publish_host_counts: bool,
-    ) -> None: ...
-    def dispatch_recv(self, stream: int, out_x: int, out_scales: int, out_counts: int) -> None: ...
-    def combine_send(
-        self, stream: int, expert_out: int, expert_out_stride: int, weights: int, weights_stride: int
-    ) -> None: ...
-    def combine_recv(self, stream: int, out: int, out_stride: int, num_rows: int) -> None: ...
-    def dispatch(
-        self,
-        stream: int,
-        x: int,
-        x_stride: int,
-        scales: int,
-        scales_stride: int,
-        indices: int,
-        indices_stride: int,
-        indices_are_i64: bool,
-        num_tokens: int,
-        num_tokens_ptr: int,
-        publish_host_counts: bool,
-        out_x: int,
-        out_scales: int,
-        out_counts: int,
-    ) -> None: ...
-    def combine(
-        self,
-        stream: int,
-        expert_out: int,
-        expert_out_stride: int,
-        weights: int,
-        weights_stride: int,
-        out: int,
-        out_stride: int,
-        num_rows: int,
-    ) -> None: ...
+    def dispatch_send(self, stream: int, send: DispatchSendArgs) -> None: ...
+    def dispatch_recv(self, stream: int, recv: DispatchRecvArgs) -> None: ...
+    def combine_send(self, stream: int, send: CombineSendArgs) -> None: ...
+    def combine_recv(self, stream: int, recv: CombineRecvArgs) -> None: ...
+    def dispatch(self, stream: int, send: DispatchSendArgs, recv: DispatchRecvArgs) -> None: ...
+    def combine(self, stream: int, send: CombineSendArgs, recv: CombineRecvArgs) -> None: ...
     def errors(self) -> int: ...
     def clear_errors(self) -> None: ...
     def host_counts(self) -> tuple[int, list[int]]: ...

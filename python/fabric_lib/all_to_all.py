@@ -261,7 +261,7 @@ class AllToAll:
         send_args = self._dispatch_send_args(x, indices, scales, num_tokens) if do_send else None
         if not do_recv:
             assert send_args is not None
-            self._native.dispatch_send(self._stream(), *send_args)
+            self._native.dispatch_send(self._stream(), send_args)
             self._last_rows = send_args[-3]
             return None
         L, M, H = self.local_experts, self.max_tokens_per_expert, self.hidden
@@ -278,14 +278,14 @@ class AllToAll:
             counts.data_ptr(),
         )
         if send_args is None:
-            self._native.dispatch_recv(self._stream(), *recv_args)
+            self._native.dispatch_recv(self._stream(), recv_args)
         elif self.fused:
-            self._native.dispatch(self._stream(), *send_args, *recv_args)  # type: ignore[call-arg]  # variadic tuple
+            self._native.dispatch(self._stream(), send_args, recv_args)
             self._last_rows = send_args[-3]
         else:
-            self._native.dispatch_send(self._stream(), *send_args)
+            self._native.dispatch_send(self._stream(), send_args)
             self._last_rows = send_args[-3]
-            self._native.dispatch_recv(self._stream(), *recv_args)
+            self._native.dispatch_recv(self._stream(), recv_args)
         return DispatchOutput(out_x, out_scales, counts)
 
     def _dispatch_send_args(
@@ -294,8 +294,8 @@ class AllToAll:
         indices: torch.Tensor | None,
         scales: torch.Tensor | None,
         num_tokens: torch.Tensor | None,
-    ) -> tuple[Any, ...]:
-        """Checks the send half's inputs; returns the native call's arguments after the stream."""
+    ) -> _rust.DispatchSendArgs:
+        """Checks the send half's inputs; returns the native send half's arguments."""
         if x is None or indices is None:
             raise _fail("dispatch's send half needs x and indices")
         x = self._tensor("x", x, (self.dispatch_dtype,), 2)
@@ -421,7 +421,7 @@ class AllToAll:
             )
             send_args = (expert_out.data_ptr(), row * 2, w.data_ptr(), w.stride(0))
             if not do_recv:
-                self._native.combine_send(self._stream(), *send_args)
+                self._native.combine_send(self._stream(), send_args)
                 return None
         else:
             send_args = None
@@ -435,12 +435,12 @@ class AllToAll:
                 raise _fail("out rows must start on 16-byte boundaries")
         recv_args = (out.data_ptr() if T else 0, out.stride(0) * 2 if T else 0, T)
         if send_args is None:
-            self._native.combine_recv(self._stream(), *recv_args)
+            self._native.combine_recv(self._stream(), recv_args)
         elif self.fused:
-            self._native.combine(self._stream(), *send_args, *recv_args)
+            self._native.combine(self._stream(), send_args, recv_args)
         else:
-            self._native.combine_send(self._stream(), *send_args)
-            self._native.combine_recv(self._stream(), *recv_args)
+            self._native.combine_send(self._stream(), send_args)
+            self._native.combine_recv(self._stream(), recv_args)
         return out
 
     # ---------------------------------------------------------------------------------- cleanup
