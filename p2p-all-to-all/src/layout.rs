@@ -8,6 +8,19 @@ fn align(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
 
+/// Offsets handed out one after another, each array starting on an `ALIGN` boundary; the
+/// position after the last is the region's size.
+#[derive(Default)]
+struct Regions(usize);
+
+impl Regions {
+    fn take(&mut self, bytes: usize) -> usize {
+        let off = self.0;
+        self.0 = align(off + bytes);
+        off
+    }
+}
+
 /// Bytes of the host block: 8 error words, the counts' sequence number at 64, counts at 128.
 pub const HOST_COUNTS_OFFSET: usize = 128;
 /// Byte offset of the counts' sequence number in the host block.
@@ -74,36 +87,26 @@ impl Layout {
             (cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.local_experts(), cfg.hidden);
         let rec_bytes = (cfg.data_bytes() + 4 * cfg.num_scales()).div_ceil(128) * 128;
         let combine_chunks = (2 * h).div_ceil(CHUNK_BYTES);
-        let mut at = 0usize;
-        let mut take = |bytes: usize| {
-            let off = at;
-            at = align(at + bytes);
-            off
-        };
-        let off_dcf = take(2 * 8 * w);
-        let off_dcnt = take(2 * 4 * w * l);
-        let off_dtf = take(2 * 8 * w * t);
-        let off_ctf = take(8 * w * t * combine_chunks);
-        let off_hdr = take(2 * 8 * w * t * k);
-        let off_cw = take(8 * w * t * k);
-        let off_data = take(2 * w * t * rec_bytes);
-        let off_cdata = take(2 * w * t * h);
-        let shared_bytes = at;
+        let mut shared = Regions::default();
+        let off_dcf = shared.take(2 * 8 * w);
+        let off_dcnt = shared.take(2 * 4 * w * l);
+        let off_dtf = shared.take(2 * 8 * w * t);
+        let off_ctf = shared.take(8 * w * t * combine_chunks);
+        let off_hdr = shared.take(2 * 8 * w * t * k);
+        let off_cw = shared.take(8 * w * t * k);
+        let off_data = shared.take(2 * w * t * rec_bytes);
+        let off_cdata = shared.take(2 * w * t * h);
+        let shared_bytes = shared.0;
 
-        let mut at = 0usize;
-        let mut take = |bytes: usize| {
-            let off = at;
-            at = align(at + bytes);
-            off
-        };
-        let st_seq = take(4 * 4 * MAX_GRID);
-        let st_poison = take(4);
-        let st_my_tokens = take(4);
-        let st_recv_tokens = take(4 * w);
-        let st_token_mask = take(4 * t);
-        let st_map = take(4 * w * t * k);
-        let st_queue = take(4 * 2);
-        let state_bytes = at;
+        let mut state = Regions::default();
+        let st_seq = state.take(4 * 4 * MAX_GRID);
+        let st_poison = state.take(4);
+        let st_my_tokens = state.take(4);
+        let st_recv_tokens = state.take(4 * w);
+        let st_token_mask = state.take(4 * t);
+        let st_map = state.take(4 * w * t * k);
+        let st_queue = state.take(4 * 2);
+        let state_bytes = state.0;
         Layout {
             shared_bytes,
             off_dcf,
