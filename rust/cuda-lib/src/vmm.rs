@@ -107,17 +107,7 @@ impl VmmAllocation {
         let mut handle = 0;
         // SAFETY: `prop` is fully initialized; `len` is a multiple of the granularity.
         unsafe { cu!(cuMemCreate(&mut handle, len, &prop, 0)) }?;
-        let mut alloc = VmmAllocation {
-            ctx: ctx.clone(),
-            handle: Some(handle),
-            va: 0,
-            len,
-            mapped: false,
-            gpu_direct_rdma: rdma,
-            imported: false,
-        };
-        alloc.map(granularity)?;
-        alloc.grant_access(device)?;
+        let alloc = Self::mapped(ctx, handle, len, granularity, rdma, false)?;
         for peer in peers {
             alloc.grant_access(*peer)?;
         }
@@ -147,17 +137,30 @@ impl VmmAllocation {
                 FD_HANDLE
             ))
         }?;
+        Self::mapped(ctx, handle, len, granularity, false, true)
+    }
+
+    /// Takes ownership of `handle` (released on drop, also on error), maps it at a new address
+    /// and grants this context's device read/write access.
+    fn mapped(
+        ctx: &Arc<Context>,
+        handle: sys::CUmemGenericAllocationHandle,
+        len: usize,
+        granularity: usize,
+        gpu_direct_rdma: bool,
+        imported: bool,
+    ) -> Result<Self> {
         let mut alloc = VmmAllocation {
             ctx: ctx.clone(),
             handle: Some(handle),
             va: 0,
             len,
             mapped: false,
-            gpu_direct_rdma: false,
-            imported: true,
+            gpu_direct_rdma,
+            imported,
         };
         alloc.map(granularity)?;
-        alloc.grant_access(device)?;
+        alloc.grant_access(ctx.device())?;
         Ok(alloc)
     }
 
