@@ -196,21 +196,13 @@ def round_trip(
     a2a.check()
 
 
-def sc_uniform(dtype: Any) -> Any:
+def sc_routings(dtype: Any, *routings: str) -> Any:
+    """Round trips of MAX_TOKENS tokens with each routing in turn, on one object."""
+
     def run(gen: Any) -> None:
         a2a = new_a2a(dtype)
-        round_trip(a2a, "masked", MAX_TOKENS, gen)
-        round_trip(a2a, "uniform", MAX_TOKENS, gen)
-        a2a.destroy()
-
-    return run
-
-
-def sc_skewed(dtype: Any) -> Any:
-    def run(gen: Any) -> None:
-        a2a = new_a2a(dtype)
-        round_trip(a2a, "skewed", MAX_TOKENS, gen)
-        round_trip(a2a, "uniform", MAX_TOKENS, gen)
+        for routing in routings:
+            round_trip(a2a, routing, MAX_TOKENS, gen)
         a2a.destroy()
 
     return run
@@ -533,10 +525,10 @@ def sc_peer_timeout(gen: Any) -> None:
 
 
 RUNNERS = {
-    "uniform_bf16": sc_uniform(torch.bfloat16),
-    "uniform_fp8": sc_uniform(torch.float8_e4m3fn),
-    "skewed_bf16": sc_skewed(torch.bfloat16),
-    "skewed_fp8": sc_skewed(torch.float8_e4m3fn),
+    "uniform_bf16": sc_routings(torch.bfloat16, "masked", "uniform"),
+    "uniform_fp8": sc_routings(torch.float8_e4m3fn, "masked", "uniform"),
+    "skewed_bf16": sc_routings(torch.bfloat16, "skewed", "uniform"),
+    "skewed_fp8": sc_routings(torch.float8_e4m3fn, "skewed", "uniform"),
     "empty_rank": sc_empty_rank,
     "fewer_tokens": sc_fewer_tokens,
     "device_num_tokens": sc_device_num_tokens,
