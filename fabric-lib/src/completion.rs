@@ -16,6 +16,17 @@ pub(crate) enum Notify {
     Counter(Arc<CompletionCounter>),
 }
 
+impl Notify {
+    /// Reports `result` right here, on the calling thread (for requests failed outside the
+    /// worker loop, e.g. drained from the command queue after the worker exited).
+    pub fn now(self, result: Result<()>) {
+        match self {
+            Notify::Callback(cb) => cb(result),
+            Notify::Counter(counter) => counter.complete(result),
+        }
+    }
+}
+
 /// Counts finished requests (and failed ones, keeping the first error). Updated by the worker
 /// directly; any thread may wait on it.
 #[derive(Default)]
@@ -71,7 +82,7 @@ impl CompletionCounter {
     /// Waits until at least `n` requests finished: spins (yielding) briefly, then sleeps until
     /// woken. Errors after `timeout`.
     pub fn wait_for(&self, n: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::config::deadline_after(timeout);
         let spin_until = Instant::now() + Duration::from_micros(50);
         while self.done() < n {
             if Instant::now() < spin_until {

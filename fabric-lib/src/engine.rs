@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, SendTimeoutError, Sender};
+use crossbeam_channel::{bounded, Receiver, SendTimeoutError, Sender};
 use parking_lot::{Mutex, RwLock};
 
 use crate::address::{local_host_id, local_process_id, DomainAddress, EngineAddress};
@@ -46,6 +46,10 @@ pub struct TransferEngine {
     address: EngineAddress,
     domain_names: Vec<String>,
     commands: Sender<Command>,
+    /// The worker's end of the command queue, to fail what it left there after it exited.
+    leftovers: Receiver<Command>,
+    worker_exited: Arc<AtomicBool>,
+    oversized_messages: Arc<AtomicU64>,
     regions: RwLock<HashMap<u64, RegionInfo>>,
     next_region: AtomicU64,
     /// Rotates the first domain of successive requests so load spreads over every NIC.
@@ -63,24 +67,24 @@ pub struct TransferEngine {
 impl TransferEngine {
     /// Opens the configured provider and starts the worker and callback threads.
     pub fn new(config: EngineConfig) -> Result<Self> {
-        if config.max_message_size == 0 {
-            return Err(FabricError::InvalidArgument("max_message_size must be positive".into()));
-        }
+        config.validate()?;
         let imm = Arc::new(ImmCounterTable::new());
         let callbacks = CallbackThread::spawn()
             .map_err(|e| FabricError::InvalidArgument(format!("cannot spawn the callback thread: {e}")))?;
-        let (commands, handle, info) = match worker::spawn(&config, imm.clone(), callbacks.queue()) {
-            Ok(started) => started,
-            Err(e) => {
-                callbacks.shutdown(Duration::from_secs(1));
-                return Err(e);
-            }
-        };
+        let worker::Spawned { commands, leftovers, handle, info } =
+            match worker::spawn(&config, imm.clone(), callbacks.queue()) {
+                Ok(started) => started,
+                Err(e) => {
+                    callbacks.shutdown(Duration::from_secs(1));
+                    return Err(e);
+                }
+            };
         let address = EngineAddress {
             provider: info.provider,
             host_id: local_host_id(),
             pid: std::process::id(),
             process: local_process_id(),
+            max_message_size: config.max_message_size as u64,
             domains: info
                 .domains
                 .iter()
@@ -96,6 +100,9 @@ impl TransferEngine {
             address,
             domain_names: info.domains.into_iter().map(|(name, _, _)| name).collect(),
             commands,
+            leftovers,
+            worker_exited: info.exited.clone(),
+            oversized_messages: info.oversized_messages.clone(),
             regions: RwLock::new(HashMap::new()),
             next_region: AtomicU64::new(worker::SCRATCH_REGION + 1),
             next_domain: AtomicUsize::new(0),
@@ -133,6 +140,12 @@ impl TransferEngine {
             .collect()
     }
 
+    /// Messages this engine refused because they exceeded its `max_message_size` (senders
+    /// check the limit first, so this counts misbehaving or misconfigured peers).
+    pub fn refused_messages(&self) -> u64 {
+        self.oversized_messages.load(Ordering::Relaxed)
+    }
+
     /// Number of domains of this engine's device.
     pub fn num_domains(&self) -> usize {
         self.domain_names.len()
@@ -144,7 +157,7 @@ impl TransferEngine {
     }
 
     pub(crate) fn command(&self, cmd: Command) -> Result<()> {
-        if self.stopped.load(Ordering::Acquire) {
+        if self.is_stopped() {
             return Err(FabricError::Stopped);
         }
         self.commands.send_timeout(cmd, self.config.command_timeout).map_err(|e| match e {
@@ -153,7 +166,19 @@ impl TransferEngine {
                 self.config.command_timeout
             )),
             SendTimeoutError::Disconnected(_) => FabricError::Stopped,
-        })
+        })?;
+        if self.worker_exited.load(Ordering::Acquire) {
+            // The worker may have drained the queue before this command arrived: fail what is
+            // left (each command is received once, by the worker or here).
+            self.fail_leftovers();
+        }
+        Ok(())
+    }
+
+    fn fail_leftovers(&self) {
+        while let Ok(cmd) = self.leftovers.try_recv() {
+            cmd.fail_stopped();
+        }
     }
 
     /// Checks that `peer` can be reached from this engine: same provider, same domain count.
@@ -200,7 +225,7 @@ impl TransferEngine {
         let (tx, rx) = bounded(1);
         self.command(make(tx))?;
         rx.recv_timeout(self.config.command_timeout).map_err(|_| {
-            if self.stopped.load(Ordering::Acquire) {
+            if self.is_stopped() {
                 FabricError::Stopped
             } else {
                 FabricError::Timeout(format!("the worker did not answer within {:?}", self.config.command_timeout))
@@ -231,6 +256,7 @@ impl TransferEngine {
         if let MemoryKind::Cuda(device) = kind {
             return self.register_cuda(ptr as u64, len, device);
         }
+        crate::host_memory::check_host_range(ptr as u64, len as u64)?;
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
         let registered =
             self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: true, reply })?;
@@ -326,7 +352,7 @@ impl TransferEngine {
     /// kernels (also inside CUDA graphs) write; `callback(old, new)` runs on the callback thread
     /// after every change a per-device polling thread sees.
     pub fn alloc_uvm_watcher(&self, device: usize, callback: WatcherCallback) -> Result<UvmWatcher> {
-        if self.stopped.load(Ordering::Acquire) {
+        if self.is_stopped() {
             return Err(FabricError::Stopped);
         }
         self.watchers.alloc(
@@ -398,9 +424,16 @@ impl TransferEngine {
         self.check_peer(peer)?;
         if data.len() > self.config.max_message_size {
             return Err(FabricError::InvalidArgument(format!(
-                "message of {} bytes exceeds max_message_size ({})",
+                "message of {} bytes exceeds this engine's max_message_size ({})",
                 data.len(),
                 self.config.max_message_size
+            )));
+        }
+        if data.len() as u64 > peer.max_message_size {
+            return Err(FabricError::InvalidArgument(format!(
+                "message of {} bytes exceeds the receiving engine's max_message_size ({})",
+                data.len(),
+                peer.max_message_size
             )));
         }
         self.command(Command::Send(SendCommand {
@@ -417,7 +450,7 @@ impl TransferEngine {
 
     /// Calls `on_reached` once `imm` has arrived `n` times (arrivals so far count).
     pub fn set_imm_count_expected(&self, imm: u32, n: u64, on_reached: OnReached) -> Result<()> {
-        if self.stopped.load(Ordering::Acquire) {
+        if self.is_stopped() {
             return Err(FabricError::Stopped);
         }
         if let Some(due) = self.imm.set_expected(imm, n, on_reached)? {
@@ -441,6 +474,11 @@ impl TransferEngine {
         self.imm.wait(imm, n, timeout)
     }
 
+    /// Consumes `n` arrivals of `imm` if they are all there; never waits.
+    pub fn try_take_imm_count(&self, imm: u32, n: u64) -> bool {
+        self.imm.try_take(imm, n)
+    }
+
     /// Counts `imm` even while a generic immediate callback is installed.
     pub fn claim_imm(&self, imm: u32) {
         self.imm.claim(imm)
@@ -456,9 +494,10 @@ impl TransferEngine {
         self.imm.set_generic_callback(callback)
     }
 
-    /// Whether [`TransferEngine::stop`] has run.
+    /// Whether the engine serves no more requests: [`TransferEngine::stop`] ran, or its worker
+    /// exited (it only does so on stop, or after an internal error it reported in the log).
     pub fn is_stopped(&self) -> bool {
-        self.stopped.load(Ordering::Acquire)
+        self.stopped.load(Ordering::Acquire) || self.worker_exited.load(Ordering::Acquire)
     }
 
     /// Stops the worker (failing what is in flight), then the callback thread. Idempotent;
@@ -470,7 +509,7 @@ impl TransferEngine {
         let timeout = self.config.command_timeout;
         let _ = self.commands.send_timeout(Command::Stop, timeout);
         if let Some(handle) = self.worker.lock().take() {
-            let deadline = Instant::now() + timeout;
+            let deadline = crate::config::deadline_after(timeout);
             while !handle.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -480,6 +519,7 @@ impl TransferEngine {
                 tracing::warn!("worker did not stop within {timeout:?}; detaching it");
             }
         }
+        self.fail_leftovers();
         self.watchers.stop();
         self.imm.close();
         self.callbacks.shutdown(timeout);

@@ -16,7 +16,7 @@
 //! one lock acquisition, and callbacks are returned to the caller to run outside the lock.
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -149,7 +149,7 @@ impl ImmCounterTable {
 
     /// Blocks until `imm` has been counted `n` times, then consumes `n`. Errors after `timeout`.
     pub fn wait(&self, imm: u32, n: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::config::deadline_after(timeout);
         let mut inner = self.inner.lock();
         inner.slots.entry(imm).or_default().waiters += 1;
         let result = loop {
@@ -175,6 +175,19 @@ impl ImmCounterTable {
             slot.count -= n;
         }
         result
+    }
+
+    /// Consumes `n` arrivals of `imm` if they are there (one atomic check-and-take); false
+    /// leaves the count untouched.
+    pub fn try_take(&self, imm: u32, n: u64) -> bool {
+        let mut inner = self.inner.lock();
+        match inner.slots.get_mut(&imm) {
+            Some(slot) if slot.count >= n => {
+                slot.count -= n;
+                true
+            }
+            _ => n == 0,
+        }
     }
 
     /// Installs (or with `None` removes) the callback for unclaimed immediates.

@@ -18,6 +18,7 @@ mod encoding;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+mod host_memory;
 pub mod imm_counter;
 mod msg_buffers;
 pub mod provider;

@@ -101,6 +101,7 @@ impl TransferEngine {
         Ok(Route::Local(LocalDst {
             kind: dst.kind,
             base: dst.base,
+            len: dst.len,
             pid: dst.owner.pid,
             process: dst.owner.process,
             same_process: dst.owner.is_same_process(),

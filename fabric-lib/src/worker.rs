@@ -4,6 +4,8 @@
 //! No locks on the data path: commands arrive on a bounded channel, completions leave on the
 //! callback queue, and the ImmCounter table is updated once per completion batch.
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,12 +14,12 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvErro
 
 use crate::callback::CallbackQueue;
 use crate::completion::Notify;
-use crate::config::{EngineConfig, PollMode};
+use crate::config::{deadline_after, EngineConfig, PollMode};
 use crate::descriptor::MemoryKind;
 use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
-use crate::provider::libfabric::{Completion, LocalMr, OpContext, OpKind, Posted};
+use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
 use crate::provider::local::{LocalChannel, LocalCopy, LocalDone, LocalDst, LocalSrc};
 use crate::sharding::{DeferredImm, Shard};
 
@@ -28,7 +30,9 @@ pub type RecvCallback = Arc<dyn Fn(Vec<u8>) + Send + Sync + 'static>;
 
 /// Region id of the worker's scratch buffers (source of zero-byte immediate writes).
 pub(crate) const SCRATCH_REGION: u64 = 0;
-/// Messages kept while no receive callback is installed; older ones are dropped past this.
+/// Messages copied out and kept while no receive callback is installed. Past this, arriving
+/// messages stay in their receive buffers, which are not re-posted: the provider then holds
+/// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
 
 /// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
@@ -86,6 +90,24 @@ pub(crate) enum Command {
     Stop,
 }
 
+impl Command {
+    /// Fails the command with [`FabricError::Stopped`] on the calling thread.
+    pub(crate) fn fail_stopped(self) {
+        match self {
+            Command::Transfer(Transfer { on_done, .. })
+            | Command::Local(LocalTransfer { on_done, .. })
+            | Command::Send(SendCommand { on_done, .. }) => on_done.now(Err(FabricError::Stopped)),
+            Command::Register { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::Unregister { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::SetRecvCallback(_) | Command::Stop => {}
+        }
+    }
+}
+
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
     pub provider: String,
@@ -93,6 +115,11 @@ pub(crate) struct WorkerInfo {
     pub domains: Vec<(String, Vec<u8>, (u64, u64))>,
     /// Per-domain traffic counters the worker updates.
     pub stats: Arc<[DomainCounters]>,
+    /// Set once the worker left its loop (stopped, or a bug made it panic): from then on no
+    /// command is served, and the engine fails what it finds in the queue itself.
+    pub exited: Arc<AtomicBool>,
+    /// Messages refused for exceeding max_message_size.
+    pub oversized_messages: Arc<AtomicU64>,
 }
 
 /// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
@@ -156,13 +183,19 @@ struct PendingPost {
     op: Op,
 }
 
+/// A running worker: its command queue (both ends: the engine fails what the worker left in
+/// it after exiting), its thread, and what it reported when ready.
+pub(crate) struct Spawned {
+    pub commands: Sender<Command>,
+    pub leftovers: Receiver<Command>,
+    pub handle: JoinHandle<()>,
+    pub info: WorkerInfo,
+}
+
 /// Starts a worker thread for `specs` (one per domain) and waits (bounded) until it is ready.
-pub(crate) fn spawn(
-    config: &EngineConfig,
-    imm: Arc<ImmCounterTable>,
-    callbacks: CallbackQueue,
-) -> Result<(Sender<Command>, JoinHandle<()>, WorkerInfo)> {
+pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks: CallbackQueue) -> Result<Spawned> {
     let (tx, rx) = bounded::<Command>(config.queue_depth.max(1));
+    let leftovers = rx.clone();
     let (ready_tx, ready_rx) = bounded::<Result<WorkerInfo>>(1);
     let config = config.clone();
     let timeout = config.command_timeout;
@@ -175,7 +208,7 @@ pub(crate) fn spawn(
                 }
             }
             match Worker::open(&config, rx, imm, callbacks) {
-                Ok(worker) => {
+                Ok(mut worker) => {
                     let info = WorkerInfo {
                         provider: worker.domains[0].domain.provider_name(),
                         domains: worker
@@ -184,9 +217,16 @@ pub(crate) fn spawn(
                             .map(|d| (d.domain.domain_name(), d.domain.address().to_vec(), d.imm_target()))
                             .collect(),
                         stats: worker.stats.clone(),
+                        exited: worker.exited.clone(),
+                        oversized_messages: worker.oversized_messages.clone(),
                     };
                     let _ = ready_tx.send(Ok(info));
-                    worker.run();
+                    // A bug must not leave futures pending forever: whatever happens in the
+                    // loop, every request and queued command is failed on the way out.
+                    if catch_unwind(AssertUnwindSafe(|| worker.run())).is_err() {
+                        tracing::error!("the fabric-lib worker panicked; failing every request and stopping");
+                    }
+                    worker.shutdown();
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -197,7 +237,7 @@ pub(crate) fn spawn(
     let info = ready_rx
         .recv_timeout(timeout)
         .map_err(|_| FabricError::Timeout(format!("worker did not open its domains within {timeout:?}")))??;
-    Ok((tx, handle, info))
+    Ok(Spawned { commands: tx, leftovers, handle, info })
 }
 
 struct Worker {
@@ -210,6 +250,11 @@ struct Worker {
     regions: HashMap<u64, Region>,
     recv_callback: Option<RecvCallback>,
     undelivered: VecDeque<Vec<u8>>,
+    /// Receive buffers (domain, slot, length) holding a message nobody took yet.
+    held: VecDeque<(u16, usize, usize)>,
+    /// Messages refused for being larger than `max_message_size` (a misconfigured peer).
+    oversized_messages: Arc<AtomicU64>,
+    max_message_size: usize,
 
     requests: HashMap<u64, Request>,
     next_request: u64,
@@ -234,6 +279,7 @@ struct Worker {
     local: Option<LocalChannel>,
     local_done: Vec<LocalDone>,
     paged_copy_blocks: u32,
+    exited: Arc<AtomicBool>,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -274,6 +320,9 @@ impl Worker {
             regions: HashMap::new(),
             recv_callback: None,
             undelivered: VecDeque::new(),
+            held: VecDeque::new(),
+            oversized_messages: Arc::new(AtomicU64::new(0)),
+            max_message_size: config.max_message_size,
             requests: HashMap::new(),
             next_request: 1,
             deadlines: VecDeque::new(),
@@ -287,11 +336,13 @@ impl Worker {
             local: None,
             local_done: Vec::new(),
             paged_copy_blocks: config.paged_copy_blocks,
+            exited: Arc::new(AtomicBool::new(false)),
             domains,
         })
     }
 
-    fn run(mut self) {
+    /// Serves commands and drives progress until told to stop (the caller shuts down).
+    fn run(&mut self) {
         let mut last_active = Instant::now();
         let mut iterations: u32 = 0;
         loop {
@@ -301,11 +352,11 @@ impl Worker {
                     Ok(cmd) => {
                         active = true;
                         if !self.handle(cmd) {
-                            return self.shutdown();
+                            return;
                         }
                     }
                     Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return self.shutdown(),
+                    Err(TryRecvError::Disconnected) => return,
                 }
             }
             active |= self.progress();
@@ -326,11 +377,11 @@ impl Worker {
                         Ok(cmd) => {
                             last_active = Instant::now();
                             if !self.handle(cmd) {
-                                return self.shutdown();
+                                return;
                             }
                         }
                         Err(RecvTimeoutError::Timeout) => {}
-                        Err(RecvTimeoutError::Disconnected) => return self.shutdown(),
+                        Err(RecvTimeoutError::Disconnected) => return,
                     }
                 }
                 // Yield between empty polls: free when the core is ours alone, and it lets the
@@ -345,7 +396,10 @@ impl Worker {
         match cmd {
             Command::Register { region, ptr, len, kind, network, reply } => {
                 let mrs: Result<Vec<LocalMr>> = if network {
-                    self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len)).collect()
+                    self.domains
+                        .iter_mut()
+                        .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
+                        .collect()
                 } else {
                     Ok(Vec::new())
                 };
@@ -375,10 +429,13 @@ impl Worker {
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
-                if let Some(cb) = &self.recv_callback {
+                if let Some(cb) = self.recv_callback.clone() {
                     for msg in self.undelivered.drain(..) {
                         let cb = cb.clone();
                         self.callbacks.push(Box::new(move || cb(msg)));
+                    }
+                    while let Some((domain, slot, len)) = self.held.pop_front() {
+                        self.take_message(domain, slot, len);
                     }
                 }
             }
@@ -391,7 +448,7 @@ impl Worker {
         let id = self.next_request;
         self.next_request += 1;
         self.requests.insert(id, Request { remaining: parts, error: None, on_done, deferred: Vec::new() });
-        self.deadlines.push_back((Instant::now() + self.transfer_timeout, id));
+        self.deadlines.push_back((deadline_after(self.transfer_timeout), id));
         id
     }
 
@@ -526,7 +583,24 @@ impl Worker {
         }
     }
 
+    /// The registered region an operation reads from (none for library buffers).
+    fn source_region(op: &Op) -> Option<u64> {
+        match *op {
+            Op::Write { region, .. } if region != SCRATCH_REGION => Some(region),
+            _ => None,
+        }
+    }
+
+    /// Adjusts the count of operations that use a region, queued or posted (unregister refuses
+    /// while it is not zero: the provider may still read the memory).
+    fn track(&mut self, op: &Op, delta: isize) {
+        if let Some(r) = Self::source_region(op).and_then(|r| self.regions.get_mut(&r)) {
+            r.in_flight = r.in_flight.saturating_add_signed(delta);
+        }
+    }
+
     fn post_or_queue(&mut self, domain: usize, post: PendingPost) {
+        self.track(&post.op, 1);
         let dest = post.op.dest();
         if let Some(queue) = self.pending[domain].get_mut(&dest).filter(|q| !q.is_empty()) {
             queue.push_back(post);
@@ -539,18 +613,45 @@ impl Worker {
         }
     }
 
+    /// Drops a queued or refused post (releasing what it holds) and fails its request.
     fn fail_post(&mut self, post: PendingPost, e: FabricError) {
+        self.discard_post(&post);
+        self.finish(post.request, Err(e));
+    }
+
+    /// Releases what a post that will never run holds: its send slot and its region use.
+    fn discard_post(&mut self, post: &PendingPost) {
+        self.track(&post.op, -1);
         if let Op::Send { slot, .. } = post.op {
             self.release_send_slot(slot);
         }
-        self.finish(post.request, Err(e));
+    }
+
+    /// Removes the queued posts of a request that already failed or timed out.
+    fn purge_pending(&mut self, request: u64) {
+        let mut dropped = Vec::new();
+        for queues in &mut self.pending {
+            for queue in queues.values_mut() {
+                queue.retain(|p| {
+                    let keep = p.request != request;
+                    if !keep {
+                        dropped.push(PendingPost { request: p.request, op: p.op });
+                    }
+                    keep
+                });
+            }
+            queues.retain(|_, q| !q.is_empty());
+        }
+        for post in &dropped {
+            self.discard_post(post);
+        }
     }
 
     /// Posts one operation on `domain`; Ok(false) when the provider asks us to retry later.
     fn try_post(&mut self, domain: usize, post: &PendingPost) -> Result<bool> {
-        let (kind, region) = match post.op {
-            Op::Write { region, .. } => (OpKind::Write { request: post.request, region }, Some(region)),
-            Op::Send { slot, .. } => (OpKind::Send { request: post.request, slot, domain: domain as u16 }, None),
+        let kind = match post.op {
+            Op::Write { region, .. } => OpKind::Write { request: post.request, region },
+            Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
         };
         let context = Box::into_raw(OpContext::new(kind));
         let d = &mut self.domains[domain];
@@ -563,7 +664,16 @@ impl Worker {
                     let desc = if region == SCRATCH_REGION {
                         d.scratch.desc()
                     } else {
-                        self.regions[&region].mrs[domain].desc()
+                        match self.regions.get(&region).and_then(|r| r.mrs.get(domain)) {
+                            Some(mr) => mr.desc(),
+                            None => {
+                                // Cannot happen (a region with queued posts cannot be
+                                // unregistered), but must not take the worker down if it does.
+                                drop(Box::from_raw(context));
+                                let e = format!("memory handle {region} is no longer registered");
+                                return Err(FabricError::InvalidArgument(e));
+                            }
+                        }
                     };
                     d.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm, delivery, context)
                 }
@@ -580,9 +690,6 @@ impl Worker {
                 counters.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 counters.bytes.fetch_add(post.op.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 self.outstanding.insert(context as usize);
-                if let Some(r) = region.and_then(|r| self.regions.get_mut(&r)) {
-                    r.in_flight += 1;
-                }
                 Ok(true)
             }
             other => {
@@ -602,9 +709,7 @@ impl Worker {
                 return active;
             };
             if !self.requests.contains_key(&post.request) {
-                if let Op::Send { slot, .. } = post.op {
-                    self.release_send_slot(slot);
-                }
+                self.discard_post(&post);
                 continue; // failed or timed out meanwhile
             }
             match self.try_post(domain, &post) {
@@ -706,12 +811,7 @@ impl Worker {
     fn on_completion(&mut self, completion: Completion) {
         match completion {
             Completion::Done { context, len } => match self.take_context(context) {
-                Some(OpKind::Recv { slot, domain }) => {
-                    let d = &mut self.domains[domain as usize];
-                    let msg = d.recv_buffers.slot_bytes(slot, len).to_vec();
-                    d.recv_to_post.push(slot);
-                    self.deliver(msg);
-                }
+                Some(OpKind::Recv { slot, domain }) => self.on_message(domain, slot, len),
                 Some(kind) => self.finish_op(kind, Ok(())),
                 None => tracing::warn!("completion with an unknown context"),
             },
@@ -748,8 +848,10 @@ impl Worker {
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {
         match kind {
             OpKind::Write { request, region } => {
-                if let Some(r) = self.regions.get_mut(&region) {
-                    r.in_flight = r.in_flight.saturating_sub(1);
+                if region != SCRATCH_REGION {
+                    if let Some(r) = self.regions.get_mut(&region) {
+                        r.in_flight = r.in_flight.saturating_sub(1);
+                    }
                 }
                 self.finish(request, result);
             }
@@ -762,6 +864,7 @@ impl Worker {
     }
 
     fn fail_request(&mut self, request: u64, e: FabricError) {
+        self.purge_pending(request);
         if let Some(req) = self.requests.get_mut(&request) {
             req.deferred.clear();
             req.remaining = 1;
@@ -805,19 +908,37 @@ impl Worker {
         self.notify(req.on_done, result);
     }
 
-    fn deliver(&mut self, msg: Vec<u8>) {
+    /// A message landed in a receive buffer. Buffers are one byte larger than the largest
+    /// message, so a longer (truncated) one is recognised and refused, never delivered cut.
+    fn on_message(&mut self, domain: u16, slot: usize, len: usize) {
+        if len > self.max_message_size {
+            self.oversized_messages.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "refused a message of at least {len} bytes: larger than max_message_size ({}); \
+                 the sender ignored this engine's limit",
+                self.max_message_size
+            );
+            self.domains[domain as usize].recv_to_post.push(slot);
+            return;
+        }
+        if self.recv_callback.is_none() && self.undelivered.len() >= UNDELIVERED_LIMIT {
+            self.held.push_back((domain, slot, len));
+            return;
+        }
+        self.take_message(domain, slot, len);
+    }
+
+    /// Copies a message out of its buffer, re-posts the buffer and delivers (or keeps) it.
+    fn take_message(&mut self, domain: u16, slot: usize, len: usize) {
+        let d = &mut self.domains[domain as usize];
+        let msg = d.recv_buffers.slot_bytes(slot, len).to_vec();
+        d.recv_to_post.push(slot);
         match &self.recv_callback {
             Some(cb) => {
                 let cb = cb.clone();
                 self.callbacks.push(Box::new(move || cb(msg)));
             }
-            None => {
-                if self.undelivered.len() == UNDELIVERED_LIMIT {
-                    tracing::warn!("no receive callback installed; dropping the oldest kept message");
-                    self.undelivered.pop_front();
-                }
-                self.undelivered.push_back(msg);
-            }
+            None => self.undelivered.push_back(msg),
         }
     }
 
@@ -840,6 +961,7 @@ impl Worker {
             }
             self.deadlines.pop_front();
             if let Some(req) = self.requests.remove(&id) {
+                self.purge_pending(id);
                 let timeout = self.transfer_timeout;
                 let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
                 self.notify(req.on_done, Err(e));
@@ -849,26 +971,17 @@ impl Worker {
 
     /// Fails everything still in flight, closes the domains and frees leftover contexts.
     fn shutdown(mut self) {
+        self.exited.store(true, Ordering::Release);
+        self.imm.close(); // wakes every waiter with Stopped
         let requests: Vec<Request> = self.requests.drain().map(|(_, r)| r).collect();
         for req in requests {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }
         self.waiting_sends.clear();
-        while let Ok(cmd) = self.rx.try_recv() {
-            match cmd {
-                Command::Transfer(Transfer { on_done, .. })
-                | Command::Local(LocalTransfer { on_done, .. })
-                | Command::Send(SendCommand { on_done, .. }) => self.notify(on_done, Err(FabricError::Stopped)),
-                Command::Register { reply, .. } => {
-                    let _ = reply.send(Err(FabricError::Stopped));
-                }
-                Command::Unregister { reply, .. } => {
-                    let _ = reply.send(Err(FabricError::Stopped));
-                }
-                Command::SetRecvCallback(_) | Command::Stop => {}
-            }
-        }
         self.flush_done();
+        while let Ok(cmd) = self.rx.try_recv() {
+            cmd.fail_stopped();
+        }
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
         drop(self.local.take()); // waits for same-host copies still running
         drop(self); // closes every registration, then the endpoints and domains

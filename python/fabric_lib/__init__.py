@@ -5,7 +5,7 @@ Importing this package needs neither CUDA nor an RDMA device.
 
 from __future__ import annotations
 
-from ._rust import ENCODING_VERSION, list_providers
+from ._rust import ENCODING_VERSION, engine_defaults, list_providers
 from .engine import EngineAddress, MemoryRegion, MrDescriptor, TransferEngine
 from .errors import (
     CudaError,
@@ -36,6 +36,7 @@ __all__ = [
     "ProviderUnavailableError",
     "TransferEngine",
     "TransferError",
+    "engine_defaults",
     "list_providers",
 ]
 

@@ -41,21 +41,14 @@ class MrDescriptor:
 
 _OnDone = Callable[[BaseException | None], None]
 
+def engine_defaults() -> dict[str, object]: ...
+
 class TransferEngine:
     def __init__(
         self,
         provider: str | None = None,
         domains: Sequence[str] = ...,
-        worker_cpu: int | None = None,
-        poll_mode: str = "busy",
-        transfer_timeout: float = 30.0,
-        command_timeout: float = 10.0,
-        max_message_size: int = 65536,
-        recv_buffers: int = 64,
-        send_buffers: int = 64,
-        shard_min_bytes: int = 262144,
-        paged_copy_blocks: int = 16,
-        uvm_watcher_cpu: int | None = None,
+        **options: object,
     ) -> None: ...
     def main_address(self) -> EngineAddress: ...
     @property
@@ -66,6 +59,9 @@ class TransferEngine:
     def max_message_size(self) -> int: ...
     @property
     def stopped(self) -> bool: ...
+    @property
+    def refused_messages(self) -> int: ...
+    def try_take_imm_count(self, imm: int, count: int) -> bool: ...
     def register_memory(self, ptr: int, length: int, device: int | None = None) -> tuple[int, MrDescriptor]: ...
     def alloc_uvm_watcher(self, callback: Callable[[int, int], None], device: int = 0) -> UvmWatcher: ...
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag: ...

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import InvalidArgumentError
+
 
 class ImmCounter:
     """Counts arrivals of one immediate value.
@@ -14,7 +16,7 @@ class ImmCounter:
 
     def __init__(self, native: Any, imm: int) -> None:
         if not 0 <= imm < 2**32:
-            raise ValueError(f"imm must fit in 32 bits, got {imm}")
+            raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
         self._native = native
         self.imm = imm
         self._claimed = True
@@ -34,10 +36,7 @@ class ImmCounter:
 
     def poll(self, count: int) -> bool:
         """Consumes ``count`` arrivals and returns True if they are there; else False at once."""
-        if self._native.imm_count(self.imm) < count:
-            return False
-        self._native.wait_imm_count(self.imm, count, 0.0)
-        return True
+        return self._native.try_take_imm_count(self.imm, count)
 
     def close(self) -> None:
         """Releases the claim on the immediate."""

@@ -2,13 +2,15 @@
 //! data-path calls. Everything here runs on the owning worker thread (FI_THREAD_DOMAIN).
 mod context;
 mod domain;
+mod endpoint;
 mod info;
 mod mr;
 
 pub use context::{OpContext, OpKind};
 pub use domain::{Completion, LibfabricDomain, Posted, CQ_BATCH};
+pub use endpoint::check_endpoint;
 pub use info::{is_software, list_providers, DomainSpec, ProviderSpec, SOFTWARE_DEFAULT_DOMAIN};
-pub use mr::LocalMr;
+pub use mr::{Access, LocalMr};
 
 use std::ffi::CStr;
 

@@ -7,6 +7,27 @@ use libfabric_sys as sys;
 use super::domain::DomainFids;
 use crate::error::{FabricError, Result};
 
+/// What a registration allows. Local access is what the engine's own posts need; remote
+/// access is the only door peers have into this process's memory, so it is granted narrowly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// A region peers write into (user regions; the engine's immediate slot), and the source of
+    /// this engine's writes and messages. Not remotely readable.
+    RemoteWrite,
+    /// Library message buffers: sent from and received into, never touched remotely.
+    MessagesOnly,
+}
+
+impl Access {
+    fn flags(self) -> u64 {
+        let local = (sys::FI_SEND | sys::FI_RECV) as u64;
+        match self {
+            Access::RemoteWrite => local | (sys::FI_WRITE | sys::FI_READ | sys::FI_REMOTE_WRITE) as u64,
+            Access::MessagesOnly => local,
+        }
+    }
+}
+
 /// A region registered on one domain. Holds its domain alive, and is closed before it.
 pub struct LocalMr {
     mr: *mut sys::fid_mr,
@@ -17,17 +38,17 @@ pub struct LocalMr {
 }
 
 impl LocalMr {
-    /// Registers `[ptr, ptr+len)` for local and remote read/write and for messages.
+    /// Registers `[ptr, ptr+len)` with `access`, asking for `requested_key` (ignored by
+    /// providers that pick keys themselves, FI_MR_PROV_KEY).
     pub(super) fn register(
         fids: &Rc<DomainFids>,
         ptr: *mut u8,
         len: usize,
+        access: Access,
         requested_key: u64,
         mr_mode: u64,
     ) -> Result<Self> {
-        let access =
-            (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV)
-                as u64;
+        let access = access.flags();
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
         // SAFETY: domain is open; the caller guarantees ptr/len describe memory that stays valid
         // while registered.

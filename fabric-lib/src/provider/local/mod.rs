@@ -40,6 +40,8 @@ pub(crate) struct LocalDst {
     pub kind: MemoryKind,
     /// The region's address in its owner's process.
     pub base: u64,
+    /// The region's length (as its descriptor says; checked against the opened allocation).
+    pub len: u64,
     pub pid: u32,
     /// The owner's random process id (cache key).
     pub process: u64,
@@ -210,7 +212,17 @@ impl LocalChannel {
             })?;
             self.mappings.insert(key, mapping);
         }
-        Ok(self.mappings[&key].ptr() + ipc.offset)
+        let mapping = &self.mappings[&key];
+        // The descriptor is the peer's word; the driver's size of the opened allocation is not.
+        if ipc.offset.checked_add(dst.len).is_none_or(|end| end > mapping.len() as u64) {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "GPU descriptor claims [{}, +{}) of an allocation that has {} bytes",
+                ipc.offset,
+                dst.len,
+                mapping.len()
+            )));
+        }
+        Ok(mapping.ptr() + ipc.offset)
     }
 
     /// Enqueues one same-host write; its completion is reported by [`LocalChannel::poll`].
