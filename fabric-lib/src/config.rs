@@ -50,6 +50,33 @@ impl PollMode {
         PollMode::Adaptive { spin: Duration::from_micros(200), park: Duration::from_micros(50) };
 }
 
+/// When a write counts as done for its writer (its Future / `on_done`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteCompletion {
+    /// Delivery where the provider reports a receiver's refusal only that way (tcp, sockets:
+    /// with transmit completion a refused write "succeeds" and the connection breaks), transmit
+    /// elsewhere (RDMA NICs report remote access errors either way; libfabric 1.17's shm
+    /// stalls on refused delivery-complete writes).
+    Auto,
+    /// Done once the bytes are in the receiver's memory (FI_DELIVERY_COMPLETE): refused
+    /// writes fail with an error. One more message per write on software providers.
+    Delivery,
+    /// Done once the source buffer may be reused; the receiver's immediate count is what says
+    /// the bytes arrived.
+    Transmit,
+}
+
+impl WriteCompletion {
+    /// Whether writes on `provider` ask for delivery completion.
+    pub fn delivery_for(self, provider: &str) -> bool {
+        match self {
+            WriteCompletion::Delivery => true,
+            WriteCompletion::Transmit => false,
+            WriteCompletion::Auto => provider.starts_with("tcp") || provider.starts_with("sockets"),
+        }
+    }
+}
+
 /// Everything a [`crate::TransferEngine`] is built from.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -77,6 +104,8 @@ pub struct EngineConfig {
     pub paged_copy_blocks: u32,
     /// CPU to pin the UVM watcher threads to (`None`: not pinned).
     pub uvm_watcher_cpu: Option<usize>,
+    /// When a write counts as done for its writer.
+    pub write_completion: WriteCompletion,
 }
 
 impl EngineConfig {
@@ -138,6 +167,7 @@ impl Default for EngineConfig {
             send_buffers: 64,
             paged_copy_blocks: cuda_lib::PAGED_COPY_DEFAULT_BLOCKS,
             uvm_watcher_cpu: None,
+            write_completion: WriteCompletion::Auto,
         }
     }
 }

@@ -443,6 +443,15 @@ impl TransferEngine {
         }))
     }
 
+    /// Lifts the fence that a timed-out request put on `peer` (see [`FabricError::PeerFenced`]);
+    /// returns whether it was fenced. Requests that timed out may or may not have landed: re-admit
+    /// once the application has settled with the peer what it received.
+    pub fn readmit_peer(&self, peer: &EngineAddress) -> Result<bool> {
+        self.check_peer(peer)?;
+        let first = peer.domains[0].endpoint.clone();
+        self.request(|reply| Command::Readmit { peer: first, reply })
+    }
+
     /// Installs the callback for received messages (`None` keeps messages until one is set).
     pub fn set_recv_callback(&self, callback: Option<RecvCallback>) -> Result<()> {
         self.command(Command::SetRecvCallback(callback))

@@ -29,7 +29,7 @@ mod worker;
 
 pub use address::{DomainAddress, EngineAddress};
 pub use completion::CompletionCounter;
-pub use config::{EngineConfig, PollMode};
+pub use config::{EngineConfig, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
 pub use engine::{DomainStats, MrHandle, TransferEngine};

@@ -87,6 +87,11 @@ pub(crate) enum Command {
     Local(LocalTransfer),
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
+    /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
+    Readmit {
+        peer: Vec<u8>,
+        reply: Sender<Result<bool>>,
+    },
     Stop,
 }
 
@@ -101,6 +106,9 @@ impl Command {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
             Command::Unregister { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::Readmit { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
             Command::SetRecvCallback(_) | Command::Stop => {}
@@ -143,6 +151,9 @@ struct Request {
     on_done: Notify,
     /// Immediates to send once every data shard was delivered, with their resolved targets.
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
+    /// The peers it writes to or sends to (per peer, its endpoint on each domain): fenced if
+    /// the request times out.
+    peers: Vec<Vec<Vec<u8>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -280,6 +291,11 @@ struct Worker {
     local_done: Vec<LocalDone>,
     paged_copy_blocks: u32,
     exited: Arc<AtomicBool>,
+    /// Whether writes ask for delivery completion (see `WriteCompletion`).
+    delivery: bool,
+    /// Peers (by their first domain's endpoint) that a request timed out on: nothing is sent
+    /// to them until the application re-admits them.
+    fenced: HashSet<Vec<u8>>,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -337,6 +353,8 @@ impl Worker {
             local_done: Vec::new(),
             paged_copy_blocks: config.paged_copy_blocks,
             exited: Arc::new(AtomicBool::new(false)),
+            delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
+            fenced: HashSet::new(),
             domains,
         })
     }
@@ -439,6 +457,9 @@ impl Worker {
                     }
                 }
             }
+            Command::Readmit { peer, reply } => {
+                let _ = reply.send(Ok(self.fenced.remove(&peer)));
+            }
             Command::Stop => return false,
         }
         true
@@ -447,9 +468,44 @@ impl Worker {
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
         let id = self.next_request;
         self.next_request += 1;
-        self.requests.insert(id, Request { remaining: parts, error: None, on_done, deferred: Vec::new() });
+        let request = Request { remaining: parts, error: None, on_done, deferred: Vec::new(), peers: Vec::new() };
+        self.requests.insert(id, request);
         self.deadlines.push_back((deadline_after(self.transfer_timeout), id));
         id
+    }
+
+    /// Records a request's peers (endpoints per domain) and returns an error if one is fenced.
+    fn check_fences(&mut self, request: u64, peers: impl Iterator<Item = Vec<Vec<u8>>>) -> Option<FabricError> {
+        let peers: Vec<Vec<Vec<u8>>> = peers.collect();
+        let fenced = peers.iter().any(|p| p.first().is_some_and(|first| self.fenced.contains(first)));
+        if let Some(req) = self.requests.get_mut(&request) {
+            req.peers = peers;
+        }
+        fenced.then(|| {
+            FabricError::PeerFenced(
+                "an earlier request to this peer timed out; call readmit_peer(address) once the application \
+                 knows what the peer received"
+                    .into(),
+            )
+        })
+    }
+
+    /// Fences a peer after a timeout: no more posts to it, and its address-vector entries are
+    /// dropped, which also clears provider state stuck on it (a re-admitted peer starts afresh).
+    fn fence(&mut self, peer: &[Vec<u8>]) {
+        let Some(first) = peer.first() else { return };
+        if !self.fenced.insert(first.clone()) {
+            return;
+        }
+        tracing::warn!("fencing a peer after a request to it timed out; readmit_peer() lifts it");
+        for (domain, endpoint) in peer.iter().enumerate().take(self.domains.len()) {
+            let Some(dest) = self.domains[domain].domain.forget_peer(endpoint) else { continue };
+            let stuck: Vec<PendingPost> = self.pending[domain].remove(&dest).map(Vec::from).unwrap_or_default();
+            for post in stuck {
+                let e = FabricError::PeerFenced("the peer was fenced after a timeout".into());
+                self.fail_post(post, e);
+            }
+        }
     }
 
     /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
@@ -472,6 +528,9 @@ impl Worker {
     fn start_transfer(&mut self, t: Transfer) {
         let Transfer { region, targets, shards, deferred, on_done } = t;
         let id = self.new_request(on_done, shards.len().max(1));
+        if let Some(e) = self.check_fences(id, targets.iter().map(|t| t.addresses.clone())) {
+            return self.fail_request(id, e);
+        }
         let base = if region == SCRATCH_REGION {
             None
         } else {
@@ -492,7 +551,7 @@ impl Worker {
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        let delivery = !resolved.is_empty();
+        let delivery = self.delivery || !resolved.is_empty();
         self.requests.get_mut(&id).expect("just inserted").deferred = resolved;
         if shards.is_empty() {
             // Immediate-only request (barrier, or no data): the deferred imms are the request.
@@ -534,6 +593,9 @@ impl Worker {
             }
         };
         if let Some((imm, target)) = imm {
+            if let Some(e) = self.check_fences(id, std::iter::once(target.addresses.clone())) {
+                return self.fail_request(id, e);
+            }
             let domain = (id as usize % self.domains.len()) as u16;
             let (key, remote_base) = target.keys[domain as usize];
             let mut cache = HashMap::new();
@@ -565,6 +627,9 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
+        if let Some(e) = self.check_fences(id, std::iter::once(vec![peer.clone()])) {
+            return self.finish(id, Err(e));
+        }
         match self.domains[0].domain.resolve_peer(&peer) {
             Ok(dest) => self.queue_send(id, dest, data),
             Err(e) => self.finish(id, Err(e)),
@@ -897,7 +962,7 @@ impl Worker {
                     remote_addr: remote_base,
                     key,
                     imm: Some(d.imm),
-                    delivery: false,
+                    delivery: self.delivery,
                 };
                 self.post_or_queue(domain, PendingPost { request, op });
             }
@@ -962,6 +1027,9 @@ impl Worker {
             self.deadlines.pop_front();
             if let Some(req) = self.requests.remove(&id) {
                 self.purge_pending(id);
+                for peer in &req.peers {
+                    self.fence(peer);
+                }
                 let timeout = self.transfer_timeout;
                 let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
                 self.notify(req.on_done, Err(e));

@@ -4,7 +4,7 @@
 //! `InvalidArgumentError` naming the option.
 use std::time::Duration;
 
-use fabric_lib::{EngineConfig, FabricError, PollMode};
+use fabric_lib::{EngineConfig, FabricError, PollMode, WriteCompletion};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -53,6 +53,17 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
                     other => return Err(invalid(py, format!("poll_mode must be 'busy' or 'adaptive', not {other:?}"))),
                 }
             }
+            "write_completion" => {
+                config.write_completion = match value.extract::<String>().map_err(wrong)?.as_str() {
+                    "auto" => WriteCompletion::Auto,
+                    "delivery" => WriteCompletion::Delivery,
+                    "transmit" => WriteCompletion::Transmit,
+                    other => {
+                        let e = format!("write_completion must be 'auto', 'delivery' or 'transmit', not {other:?}");
+                        return Err(invalid(py, e));
+                    }
+                }
+            }
             "transfer_timeout" => config.transfer_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "command_timeout" => config.command_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "max_message_size" => config.max_message_size = value.extract().map_err(wrong)?,
@@ -85,6 +96,14 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("shard_min_bytes", c.shard_min_bytes)?;
     d.set_item("paged_copy_blocks", c.paged_copy_blocks)?;
     d.set_item("uvm_watcher_cpu", c.uvm_watcher_cpu)?;
+    d.set_item(
+        "write_completion",
+        match c.write_completion {
+            WriteCompletion::Auto => "auto",
+            WriteCompletion::Delivery => "delivery",
+            WriteCompletion::Transmit => "transmit",
+        },
+    )?;
     Ok(d)
 }
 

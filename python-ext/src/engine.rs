@@ -276,6 +276,12 @@ impl PyTransferEngine {
         py.detach(|| self.engine.wait_imm_count(imm, count, timeout)).py(py)
     }
 
+    /// Lifts the fence a timed-out request put on `peer`; returns whether it was fenced.
+    fn readmit_peer(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>) -> PyResult<bool> {
+        let peer = peer.0.clone();
+        py.detach(|| self.engine.readmit_peer(&peer)).py(py)
+    }
+
     /// Consumes `count` arrivals of `imm` if all are there (atomic check-and-take).
     fn try_take_imm_count(&self, imm: u32, count: u64) -> bool {
         self.engine.try_take_imm_count(imm, count)

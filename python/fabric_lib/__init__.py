@@ -15,6 +15,7 @@ from .errors import (
     FabricTimeoutError,
     InvalidArgumentError,
     InvalidDescriptorError,
+    PeerFencedError,
     ProviderUnavailableError,
     TransferError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ImmCounter",
     "InvalidArgumentError",
     "InvalidDescriptorError",
+    "PeerFencedError",
     "MemoryRegion",
     "MrDescriptor",
     "ProviderUnavailableError",

@@ -117,6 +117,16 @@ class TransferEngine:
         shard_min_bytes: single writes at least this long are split over the NICs [262144].
         paged_copy_blocks: blocks (SMs) of the same-host paged-copy kernel (GPU memory) [16].
         uvm_watcher_cpu: CPU to pin the UVM watcher threads to [not pinned].
+        write_completion: when a write's Future completes: "delivery" (the bytes are in the
+            receiver's memory; a write the receiver refuses fails with TransferError),
+            "transmit" (the source may be reused; only the receiver's immediate count says the
+            bytes arrived) or "auto" (delivery on tcp and sockets, whose refusals are reported no
+            other way, transmit elsewhere) ["auto"].
+
+    Timeouts: a request not completed within ``transfer_timeout`` fails with
+    ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
+    ``PeerFencedError`` until ``readmit_peer(address)``. Whether a timed-out request landed (and
+    its immediate was counted) is unknown, so resending it blindly could count an immediate twice.
 
     Out-of-range values raise ``InvalidArgumentError`` before anything is allocated. An engine
     that is garbage-collected without ``stop()`` stops itself first.
@@ -145,6 +155,7 @@ class TransferEngine:
         shard_min_bytes: int | None = None,
         paged_copy_blocks: int | None = None,
         uvm_watcher_cpu: int | None = None,
+        write_completion: Literal["auto", "delivery", "transmit"] | None = None,
     ) -> None:
         if isinstance(domain, str) or domain is None:
             domains = [] if domain is None else [domain]
@@ -167,6 +178,7 @@ class TransferEngine:
             "shard_min_bytes": shard_min_bytes,
             "paged_copy_blocks": paged_copy_blocks,
             "uvm_watcher_cpu": uvm_watcher_cpu,
+            "write_completion": write_completion,
         }
         native = _rust.TransferEngine(provider, domains, **{k: v for k, v in options.items() if v is not None})
         self._native = native
@@ -394,6 +406,16 @@ class TransferEngine:
         future, callback = self._completion(on_done)
         self._native.submit_send(_as_address(peer), bytes(data), callback)
         return future
+
+    def readmit_peer(self, peer: EngineAddress | bytes) -> bool:
+        """Lifts the fence a timed-out request put on ``peer``; returns whether it was fenced."""
+        return self._native.readmit_peer(_as_address(peer))
+
+    @property
+    def refused_messages(self) -> int:
+        """Messages refused for exceeding this engine's ``max_message_size`` (sent by peers that
+        ignored the limit their address carries)."""
+        return self._native.refused_messages
 
     def set_recv_callback(self, callback: Callable[[bytes], None] | None) -> None:
         """Installs the callback receiving every message; messages that arrived earlier are

@@ -213,6 +213,18 @@ impl LibfabricDomain {
         Ok(fi_addr)
     }
 
+    /// Removes a peer from the address vector (a later `resolve_peer` inserts it afresh);
+    /// returns the `fi_addr_t` it had, if it was known.
+    pub fn forget_peer(&mut self, address: &[u8]) -> Option<sys::fi_addr_t> {
+        let mut fi_addr = self.peers.remove(address)?;
+        // SAFETY: av is open and `fi_addr` came from fi_av_insert on it.
+        let ret = unsafe { sys::shim_fi_av_remove(self.fids.av, &mut fi_addr, 1, 0) };
+        if ret != 0 {
+            tracing::warn!("fi_av_remove returned {ret}");
+        }
+        Some(fi_addr)
+    }
+
     fn posted(call: &'static str, ret: isize) -> Result<Posted> {
         match ret {
             0 => Ok(Posted::Ok),
