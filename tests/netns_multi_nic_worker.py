@@ -671,7 +671,7 @@ def scenario_fault(args: argparse.Namespace) -> None:
             for r in records:
                 outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
             failed = [r for r in records if r["outcome"] != "ok"]
-            bad_kinds = {r["outcome"] for r in failed} - {"TransferError", "FabricTimeoutError"}
+            bad_kinds = {r["outcome"] for r in failed} - {"TransferError", "FabricTimeoutError", "PeerFencedError"}
             check(
                 not bad_kinds,
                 f"unexpected failure kinds {bad_kinds}: {[r.get('message') for r in failed][:3]}",
@@ -694,6 +694,8 @@ def scenario_fault(args: argparse.Namespace) -> None:
             )
             check(max(latency) <= tt + 3.0, f"a failed request took {max(latency):.2f}s (timeout {tt}s)")
             out["unregister_while_down"] = try_unregister(e, stream_src)
+            # The timeouts fenced the receiver; the application knows what it lost and lifts it.
+            out["was_fenced"] = e.readmit_peer(peers[1].address)
             # Writes pinned to the NIC that is still up work (with the other one still down).
             t = time.monotonic()
             pins = [

@@ -243,7 +243,7 @@ def test_receiver_nic_down_mid_stream(side: str) -> None:
     sender, receiver = box["reports"]
     print(f"nic1 down ({side} side): sender {sender}\nreceiver {receiver}")
     failed = {k: v for k, v in sender["outcomes"].items() if k != "ok"}
-    assert failed and set(failed) <= {"TransferError", "FabricTimeoutError"}, sender["outcomes"]
+    assert failed and set(failed) <= {"TransferError", "FabricTimeoutError", "PeerFencedError"}, sender["outcomes"]
     assert sender["fail_latency_max"] <= TRANSFER_TIMEOUT + 3.0
     assert sender["outcomes"].get("ok", 0) >= 32
     assert receiver["imms_arrived"] >= sender["outcomes"]["ok"]

@@ -27,7 +27,7 @@ TRANSFER_TIMEOUT = 3.0
 SLACK = 2.5  # scheduling on 2 cores, the worker's expiry check, the callback thread
 STOP_BOUND = 3.0
 SRC_SEED, INIT_SEED = 31, 32
-OK_ERRORS = ("TransferError", "FabricTimeoutError")
+OK_ERRORS = ("TransferError", "FabricTimeoutError", "PeerFencedError")
 
 
 def _plan(seed: int, first_dst: int, imm: int, n: int, src_size: int) -> list[mh.WriteOp]:

@@ -140,8 +140,9 @@ impl TransferEngine {
             .collect()
     }
 
-    /// Messages this engine refused because they exceeded its `max_message_size` (senders
-    /// check the limit first, so this counts misbehaving or misconfigured peers).
+    /// Messages this engine could not take: over its `max_message_size`, or failed in the
+    /// provider (senders check the limit first, so this counts misbehaving or misconfigured
+    /// peers). Such messages are never delivered, whole or cut.
     pub fn refused_messages(&self) -> u64 {
         self.oversized_messages.load(Ordering::Relaxed)
     }

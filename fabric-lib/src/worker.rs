@@ -888,7 +888,9 @@ impl Worker {
             }
             Completion::Failed { context, message } => match self.take_context(context) {
                 Some(OpKind::Recv { slot, domain }) => {
-                    tracing::warn!("a receive failed: {message}");
+                    // A message the provider could not place (too long for the buffer, say).
+                    self.oversized_messages.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("a message could not be received: {message}");
                     self.domains[domain as usize].recv_to_post.push(slot);
                 }
                 Some(kind) => self.finish_op(kind, Err(FabricError::TransferFailed(message))),
