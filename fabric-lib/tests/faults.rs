@@ -54,7 +54,13 @@ fn unregister_races_writes(provider: &str) {
                             domains: DomainChoice::Shard(1),
                         };
                         let s = settled.clone();
-                        a.submit_write(&req, Box::new(move |_| drop(s.fetch_add(1, Ordering::Relaxed)))).unwrap();
+                        a.submit_write(
+                            &req,
+                            Box::new(move |_| {
+                                s.fetch_add(1, Ordering::Relaxed);
+                            }),
+                        )
+                        .unwrap();
                         submitted.fetch_add(1, Ordering::Relaxed);
                     }
                     let deadline = Instant::now() + Duration::from_secs(20);
@@ -243,7 +249,7 @@ fn mutate_endpoint(endpoint: &[u8], next: &mut impl FnMut() -> u64) -> Vec<u8> {
             for _ in 0..1 + next() % 4 {
                 let i = (next() as usize) % e.len().max(1);
                 // Keep bytes 4..8 (the IPv4 address) of socket addresses.
-                if !(is_ipv4 && (4..8).contains(&i)) && !e.is_empty() {
+                if !(e.is_empty() || is_ipv4 && (4..8).contains(&i)) {
                     e[i] = next() as u8;
                 }
             }
