@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{FabricError, Result};
-use crate::worker::OnDone;
+
+/// Completion callback of one request.
+pub type OnDone = Box<dyn FnOnce(Result<()>) + Send + 'static>;
 
 /// Where a request's outcome goes.
 pub(crate) enum Notify {

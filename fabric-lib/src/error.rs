@@ -43,14 +43,6 @@ pub enum FabricError {
     Cuda(String),
 }
 
-impl FabricError {
-    /// Builds a [`FabricError::Libfabric`] from a negative libfabric return code.
-    pub fn libfabric(call: &'static str, ret: i64) -> Self {
-        let code = ret.unsigned_abs() as i32;
-        FabricError::Libfabric { call, code, message: crate::provider::libfabric::strerror(code) }
-    }
-}
-
 impl From<cuda_lib::CudaError> for FabricError {
     fn from(e: cuda_lib::CudaError) -> Self {
         match e {

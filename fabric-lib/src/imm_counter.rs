@@ -237,6 +237,29 @@ mod tests {
     }
 
     #[test]
+    fn try_take_is_all_or_nothing_and_races_cleanly() {
+        let t = Arc::new(ImmCounterTable::new());
+        t.add_batch(&[(4, 3)]);
+        assert!(!t.try_take(4, 4));
+        assert_eq!(t.value(4), 3);
+        assert!(t.try_take(4, 2));
+        assert_eq!(t.value(4), 1);
+        // Many consumers taking one each: exactly as many succeed as there were arrivals.
+        t.add_batch(&[(4, 999)]);
+        let taken: usize = (0..8)
+            .map(|_| {
+                let t = t.clone();
+                std::thread::spawn(move || (0..200).filter(|_| t.try_take(4, 1)).count())
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .sum();
+        assert_eq!(taken, 1000);
+        assert_eq!(t.value(4), 0);
+    }
+
+    #[test]
     fn fires_exactly_once() {
         let t = ImmCounterTable::new();
         let hits = Arc::new(AtomicUsize::new(0));

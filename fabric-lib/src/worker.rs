@@ -13,108 +13,21 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 
 use crate::callback::CallbackQueue;
-use crate::completion::Notify;
+use crate::commands::{Command, RecvCallback, SameHostTransfer, SendCommand, Target, Transfer, SCRATCH_REGION};
+use crate::completion::{Notify, OnDone};
 use crate::config::{deadline_after, EngineConfig, PollMode};
 use crate::descriptor::MemoryKind;
 use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
 use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
-use crate::provider::local::{LocalChannel, LocalCopy, LocalDone, LocalDst, LocalSrc};
-use crate::sharding::{DeferredImm, Shard};
+use crate::provider::same_host::{SameHostChannel, SameHostDone, SameHostSrc};
+use crate::sharding::DeferredImm;
 
-/// Completion callback of one request.
-pub type OnDone = Box<dyn FnOnce(Result<()>) + Send + 'static>;
-/// Receives every two-sided message.
-pub type RecvCallback = Arc<dyn Fn(Vec<u8>) + Send + Sync + 'static>;
-
-/// Region id of the worker's scratch buffers (source of zero-byte immediate writes).
-pub(crate) const SCRATCH_REGION: u64 = 0;
 /// Messages copied out and kept while no receive callback is installed. Past this, arriving
 /// messages stay in their receive buffers, which are not re-posted: the provider then holds
 /// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
-
-/// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
-/// peer's endpoint address and (key, remote base).
-pub(crate) struct Target {
-    pub addresses: Vec<Vec<u8>>,
-    pub keys: Vec<(u64, u64)>,
-}
-
-/// A validated, planned request of one or more writes.
-pub(crate) struct Transfer {
-    pub region: u64,
-    pub targets: Vec<Target>,
-    pub shards: Vec<Shard>,
-    pub deferred: Vec<DeferredImm>,
-    pub on_done: Notify,
-}
-
-/// A validated same-host write where either side is GPU memory (see `provider::local`).
-pub(crate) struct LocalTransfer {
-    pub region: u64,
-    pub dst: LocalDst,
-    pub copy: LocalCopy,
-    /// The immediate and the destination engine's immediate slots: delivered over the network
-    /// once the copy's event completed (the data is visible by then).
-    pub imm: Option<(u32, Target)>,
-    pub on_done: Notify,
-}
-
-/// A two-sided message, validated by the engine.
-pub(crate) struct SendCommand {
-    pub peer: Vec<u8>,
-    pub data: Vec<u8>,
-    pub on_done: Notify,
-}
-
-pub(crate) enum Command {
-    /// `network: false` records the region for same-host use only (GPU memory without FI_HMEM).
-    Register {
-        region: u64,
-        ptr: usize,
-        len: usize,
-        kind: MemoryKind,
-        network: bool,
-        reply: Sender<Result<Vec<(u64, u64)>>>,
-    },
-    Unregister {
-        region: u64,
-        reply: Sender<Result<()>>,
-    },
-    Transfer(Transfer),
-    Local(LocalTransfer),
-    Send(SendCommand),
-    SetRecvCallback(Option<RecvCallback>),
-    /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
-    Readmit {
-        peer: Vec<u8>,
-        reply: Sender<Result<bool>>,
-    },
-    Stop,
-}
-
-impl Command {
-    /// Fails the command with [`FabricError::Stopped`] on the calling thread.
-    pub(crate) fn fail_stopped(self) {
-        match self {
-            Command::Transfer(Transfer { on_done, .. })
-            | Command::Local(LocalTransfer { on_done, .. })
-            | Command::Send(SendCommand { on_done, .. }) => on_done.now(Err(FabricError::Stopped)),
-            Command::Register { reply, .. } => {
-                let _ = reply.send(Err(FabricError::Stopped));
-            }
-            Command::Unregister { reply, .. } => {
-                let _ = reply.send(Err(FabricError::Stopped));
-            }
-            Command::Readmit { reply, .. } => {
-                let _ = reply.send(Err(FabricError::Stopped));
-            }
-            Command::SetRecvCallback(_) | Command::Stop => {}
-        }
-    }
-}
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -287,8 +200,8 @@ struct Worker {
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
     /// The same-host channel, opened on the first same-host GPU write.
-    local: Option<LocalChannel>,
-    local_done: Vec<LocalDone>,
+    same_host: Option<SameHostChannel>,
+    same_host_done: Vec<SameHostDone>,
     paged_copy_blocks: u32,
     exited: Arc<AtomicBool>,
     /// Whether writes ask for delivery completion (see `WriteCompletion`).
@@ -349,8 +262,8 @@ impl Worker {
             imm_batch: HashMap::new(),
             done: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
-            local: None,
-            local_done: Vec::new(),
+            same_host: None,
+            same_host_done: Vec::new(),
             paged_copy_blocks: config.paged_copy_blocks,
             exited: Arc::new(AtomicBool::new(false)),
             delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
@@ -388,7 +301,7 @@ impl Worker {
             }
             let busy = !self.outstanding.is_empty()
                 || self.pending.iter().any(|p| p.values().any(|q| !q.is_empty()))
-                || self.local.as_ref().is_some_and(|l| l.busy());
+                || self.same_host.as_ref().is_some_and(|l| l.busy());
             match self.poll_mode {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
@@ -443,7 +356,7 @@ impl Worker {
                 let _ = reply.send(result);
             }
             Command::Transfer(t) => self.start_transfer(t),
-            Command::Local(t) => self.start_local(t),
+            Command::SameHost(t) => self.start_same_host(t),
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
@@ -582,8 +495,8 @@ impl Worker {
         }
     }
 
-    fn start_local(&mut self, t: LocalTransfer) {
-        let LocalTransfer { region, dst, copy, imm, on_done } = t;
+    fn start_same_host(&mut self, t: SameHostTransfer) {
+        let SameHostTransfer { region, dst, copy, imm, on_done } = t;
         let id = self.new_request(on_done, 1);
         let (ptr, kind) = match self.regions.get(&region) {
             Some(r) => (r.ptr as u64, r.kind),
@@ -607,14 +520,14 @@ impl Worker {
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        if self.local.is_none() {
-            match LocalChannel::new(self.paged_copy_blocks) {
-                Ok(l) => self.local = Some(l),
+        if self.same_host.is_none() {
+            match SameHostChannel::new(self.paged_copy_blocks) {
+                Ok(l) => self.same_host = Some(l),
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        let local = self.local.as_mut().expect("opened above");
-        match local.submit(id, region, LocalSrc { kind, ptr }, dst, copy) {
+        let local = self.same_host.as_mut().expect("opened above");
+        match local.submit(id, region, SameHostSrc { kind, ptr }, dst, copy) {
             Ok(()) => {
                 if let Some(r) = self.regions.get_mut(&region) {
                     r.in_flight += 1;
@@ -820,8 +733,8 @@ impl Worker {
             }
             self.completions = completions;
         }
-        if let Some(local) = self.local.as_mut() {
-            let mut done = std::mem::take(&mut self.local_done);
+        if let Some(local) = self.same_host.as_mut() {
+            let mut done = std::mem::take(&mut self.same_host_done);
             if local.poll(&mut done) {
                 active = true;
                 for (request, region, result) in done.drain(..) {
@@ -831,7 +744,7 @@ impl Worker {
                     self.finish(request, result);
                 }
             }
-            self.local_done = done;
+            self.same_host_done = done;
         }
         if !self.imm_batch.is_empty() {
             let batch: Vec<(u32, u32)> = self.imm_batch.drain().collect();
@@ -1053,7 +966,7 @@ impl Worker {
             cmd.fail_stopped();
         }
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
-        drop(self.local.take()); // waits for same-host copies still running
+        drop(self.same_host.take()); // waits for same-host copies still running
         drop(self); // closes every registration, then the endpoints and domains
         for context in outstanding {
             // SAFETY: the endpoints are closed, so the provider no longer references these

@@ -8,6 +8,7 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::context::OpContext;
+use super::error::libfabric_error;
 use super::info::{resolve, DomainSpec, FabricInfo};
 use super::mr::{Access, LocalMr};
 use crate::error::{FabricError, Result};
@@ -86,7 +87,7 @@ fn check(call: &'static str, ret: i32) -> Result<()> {
     if ret == 0 {
         Ok(())
     } else {
-        Err(FabricError::libfabric(call, ret.into()))
+        Err(libfabric_error(call, ret.into()))
     }
 }
 
@@ -229,7 +230,7 @@ impl LibfabricDomain {
         match ret {
             0 => Ok(Posted::Ok),
             r if r == -(sys::FI_EAGAIN as isize) => Ok(Posted::Again),
-            r => Err(FabricError::libfabric(call, r as i64)),
+            r => Err(libfabric_error(call, r as i64)),
         }
     }
 
@@ -354,7 +355,7 @@ impl LibfabricDomain {
             // SAFETY: an error entry is available; err is a valid out-struct.
             let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut err, 0) };
             if r < 0 {
-                return Err(FabricError::libfabric("fi_cq_readerr", r as i64));
+                return Err(libfabric_error("fi_cq_readerr", r as i64));
             }
             let mut buf = [0 as std::os::raw::c_char; 256];
             // SAFETY: cq is open; err came from it; buf has 256 bytes.
@@ -371,6 +372,6 @@ impl LibfabricDomain {
             out.push(Completion::Failed { context: err.op_context as *mut OpContext, message });
             return Ok(1);
         }
-        Err(FabricError::libfabric("fi_cq_read", ret as i64))
+        Err(libfabric_error("fi_cq_read", ret as i64))
     }
 }

@@ -5,6 +5,7 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::domain::DomainFids;
+use super::error::libfabric_error;
 use crate::error::{FabricError, Result};
 
 /// What a registration allows. Local access is what the engine's own posts need; remote
@@ -66,19 +67,19 @@ impl LocalMr {
             )
         };
         if ret != 0 {
-            return Err(FabricError::libfabric("fi_mr_reg", ret.into()));
+            return Err(libfabric_error("fi_mr_reg", ret.into()));
         }
         let mut this = LocalMr { mr, desc: ptr::null_mut(), key: 0, remote_base: 0, _domain: fids.clone() };
         if mr_mode & sys::FI_MR_ENDPOINT as u64 != 0 {
             // SAFETY: mr and ep are open objects of the same domain.
             let ret = unsafe { sys::shim_fi_mr_bind(mr, &mut (*fids.ep).fid, 0) };
             if ret != 0 {
-                return Err(FabricError::libfabric("fi_mr_bind", ret.into()));
+                return Err(libfabric_error("fi_mr_bind", ret.into()));
             }
             // SAFETY: mr was just bound.
             let ret = unsafe { sys::shim_fi_mr_enable(mr) };
             if ret != 0 {
-                return Err(FabricError::libfabric("fi_mr_enable", ret.into()));
+                return Err(libfabric_error("fi_mr_enable", ret.into()));
             }
         }
         // SAFETY: mr is a valid, enabled registration.
