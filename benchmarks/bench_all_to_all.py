@@ -307,7 +307,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     }
 
 
-def worker(_: None, args: argparse.Namespace) -> None:
+def worker(_state: None, args: argparse.Namespace) -> None:
     """One rank (a launched one, or one of torchrun's): every configuration, rank 0 reports."""
     me = this_rank()
     init_process_group("nccl", timeout=300, info=replace(me, init_method=args.init_method or me.init_method))

@@ -53,7 +53,7 @@ def _nic_counters(nics: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def worker(_: None, a: argparse.Namespace) -> dict[str, Any] | None:
+def worker(_state: None, a: argparse.Namespace) -> dict[str, Any] | None:
     """One host's rank; rank 0 returns its timed iterations."""
     import fabric_lib
     import torch

@@ -23,7 +23,9 @@ def provider_params(names: Sequence[str] = LOOPBACK_PROVIDERS) -> list[Any]:
         pytest.param(
             n,
             id=n.replace(";", "-"),
-            marks=pytest.mark.skipif(not provider_available(n), reason=f"libfabric provider {n!r} not available"),
+            marks=pytest.mark.skipif(
+                not provider_available(n), reason=f"libfabric provider {n!r} not available"
+            ),
         )
         for n in names
     ]

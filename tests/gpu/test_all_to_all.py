@@ -21,7 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fabric_lib
-from a2a_reference import (
+from fabric_lib.errors import FabricTimeoutError, InvalidArgumentError
+from fabric_lib.testing import Ranks, gather, init_process_group, spawn_ranks
+
+from .a2a_reference import (
     HIDDEN,
     TOPK,
     check_combine,
@@ -31,8 +34,6 @@ from a2a_reference import (
     make_tokens,
     run_experts,
 )
-from fabric_lib.errors import FabricTimeoutError, InvalidArgumentError
-from fabric_lib.testing import Ranks, gather, init_process_group, spawn_ranks
 
 MAX_TOKENS = 96
 WORKER_TIMEOUT_S = int(os.environ.get("A2A_TEST_TIMEOUT", "420"))
@@ -441,13 +442,13 @@ def join_world() -> None:
     init_process_group("nccl", timeout=120)
 
 
-def leave_world(_: None) -> None:
+def leave_world(_state: None) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
 
 
-def run_scenario(_: None, name: str, scenario: Callable[[Any], None]) -> str:
+def run_scenario(_state: None, name: str, scenario: Callable[[Any], None]) -> str:
     """Runs one scenario; "ok", or the traceback of what it raised. Every rank meets the others
     afterwards, so that the next scenario starts together whatever this one did."""
     import torch.distributed as dist

@@ -21,7 +21,7 @@ try:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
-    given = None
+    given = None  # type: ignore[assignment]
 
 
 def _num_gpus() -> int:
@@ -36,7 +36,9 @@ def _num_gpus() -> int:
 NGPU = _num_gpus()
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU (none visible)")
 needs_two = pytest.mark.skipif(NGPU < 2, reason=f"needs two CUDA GPUs ({NGPU} visible)")
-needs_kernels = pytest.mark.skipif(not fcuda.kernels()[0], reason="this build carries no CUDA kernels (no nvcc)")
+needs_kernels = pytest.mark.skipif(
+    not fcuda.kernels()[0], reason="this build carries no CUDA kernels (no nvcc)"
+)
 
 TIMEOUT = 30.0
 
@@ -79,7 +81,9 @@ def test_without_cuda_gpu_features_raise_cuda_unavailable() -> None:
 # -- helpers for GPU tests ---------------------------------------------------------------------
 
 
-def _expected_pages(dst: torch.Tensor, src: torch.Tensor, page_len: int, src_pages, dst_pages) -> torch.Tensor:
+def _expected_pages(
+    dst: torch.Tensor, src: torch.Tensor, page_len: int, src_pages, dst_pages
+) -> torch.Tensor:
     out = dst.clone()
     for s, d in zip(src_pages, dst_pages):
         out[d * page_len : (d + 1) * page_len] = src[s * page_len : (s + 1) * page_len].to(out.device)
@@ -140,7 +144,9 @@ def _check_pair(p: _Pair) -> None:
         src_pages = [5, 0, 63, 17, 17]
         dst_pages = [1, 2, 3, 60, 0]
         expected = _expected_pages(dst.cpu(), src.cpu(), p.page_len, src_pages, dst_pages)
-        p.w.submit_paged_writes(p.page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=imm).result(TIMEOUT)
+        p.w.submit_paged_writes(p.page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=imm).result(
+            TIMEOUT
+        )
         p.r.imm_counter(imm).wait(1, timeout=TIMEOUT)
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), expected), name
@@ -176,7 +182,9 @@ def test_two_gpus_one_process_all_directions_and_1000_requests() -> None:
         for i in range(n_req):
             s = [(i + k) % p.pages for k in range(4)]
             d = [(7 * i + 3 * k) % p.pages for k in range(4)]
-            futures.append(p.w.submit_paged_writes(p.page_len, p.src_gpu_r, s, p.dst_gpu_r.descriptor, d, imm=imm))
+            futures.append(
+                p.w.submit_paged_writes(p.page_len, p.src_gpu_r, s, p.dst_gpu_r.descriptor, d, imm=imm)
+            )
         for f in futures:
             f.result(TIMEOUT)
         p.r.imm_counter(imm).wait(n_req, timeout=TIMEOUT)
@@ -205,7 +213,9 @@ if given is not None:
         page_len = data.draw(st.sampled_from([16, 1000, 4096]))
         pages = (p.pages * p.page_len) // page_len
         count = data.draw(st.integers(1, min(pages, 48)))
-        dst_pages = data.draw(st.lists(st.integers(0, pages - 1), unique=True, min_size=count, max_size=count))
+        dst_pages = data.draw(
+            st.lists(st.integers(0, pages - 1), unique=True, min_size=count, max_size=count)
+        )
         src_pages = data.draw(st.lists(st.integers(0, pages - 1), min_size=count, max_size=count))
         which = data.draw(st.sampled_from(range(3)))
         name, src_r, src, dst_r, dst = _combos(p)[which]
@@ -215,7 +225,9 @@ if given is not None:
         srcc = src.cpu()
         for s, d in zip(src_pages, dst_pages):
             expected[d * page_len : (d + 1) * page_len] = srcc[s * page_len : (s + 1) * page_len]
-        p.w.submit_paged_writes(page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=55).result(TIMEOUT)
+        p.w.submit_paged_writes(page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=55).result(
+            TIMEOUT
+        )
         p.r.imm_counter(55).wait(1, timeout=TIMEOUT)
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), expected), name
@@ -291,7 +303,11 @@ def test_two_processes_two_gpus() -> None:
     page_len, pages = 4096, 64
     nbytes = page_len * pages
     with spawn_ranks(
-        1, setup=open_receiver, setup_kwargs={"device": 1, "nbytes": nbytes}, teardown=stop_receiver, timeout=120
+        1,
+        setup=open_receiver,
+        setup_kwargs={"device": 1, "nbytes": nbytes},
+        teardown=stop_receiver,
+        timeout=120,
     ) as (rx,):
         gpu_desc, host_desc = (fabric_lib.MrDescriptor.from_bytes(b) for b in rx.call(receiver_descriptors))
         assert gpu_desc.kind == "cuda:1" and not gpu_desc.network_reachable
@@ -303,8 +319,11 @@ def test_two_processes_two_gpus() -> None:
         import random
 
         rng = random.Random(5)
-        cases = [("gpu", rs_gpu, src_gpu, gpu_desc, "gpu"), ("host", rs_host, src_host, gpu_desc, "gpu"),
-                 ("gpu", rs_gpu, src_gpu, host_desc, "host")]
+        cases = [
+            ("gpu", rs_gpu, src_gpu, gpu_desc, "gpu"),
+            ("host", rs_host, src_host, gpu_desc, "gpu"),
+            ("gpu", rs_gpu, src_gpu, host_desc, "host"),
+        ]
         for it in range(12):
             _, sr, src, dd, which = cases[it % 3]
             count = rng.randint(1, pages)
@@ -314,7 +333,9 @@ def test_two_processes_two_gpus() -> None:
             arrived = rx.submit(receive, imm, 1, which)
             w.submit_paged_writes(page_len, sr, src_pages, dd, dst_pages, imm=imm).result(TIMEOUT)
             data, extra = arrived.result(TIMEOUT + 10)
-            expected = _expected_pages(torch.zeros(nbytes, dtype=torch.uint8), src.cpu(), page_len, src_pages, dst_pages)
+            expected = _expected_pages(
+                torch.zeros(nbytes, dtype=torch.uint8), src.cpu(), page_len, src_pages, dst_pages
+            )
             got = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             assert torch.equal(got, expected), f"case {it} ({which})"
             assert extra == 0

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 from fabric_lib.testing import netns as tb
-from multi_nic import PREFIX
+
+from .multi_nic import PREFIX
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ skips with the reason otherwise. Run alone with ``pytest tests/netns -k multi_ni
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fabric_lib
@@ -23,7 +24,8 @@ from fabric_lib.distributed import exchange
 from fabric_lib.testing import gather
 from fabric_lib.testing import netns as tb
 from fabric_lib.testing.netns import TestBed
-from multi_nic import (
+
+from .multi_nic import (
     BUF,
     PREFIX,
     SIZES,
@@ -51,7 +53,8 @@ def phase_single_writes(ctx: Ctx, src, dst, dst_buf, peers) -> dict:
     nxt, prv = (ctx.rank + 1) % ctx.world, (ctx.rank - 1) % ctx.world
     shard_choices = sorted({None, 1, 2, k - 1, k}, key=lambda s: -1 if s is None else s)
     shard_choices = [s for s in shard_choices if s is None or 1 <= s <= k]
-    cases, dst_off = [], 0
+    cases: list[tuple[int, int | None, int | None, int, int]] = []
+    dst_off = 0
     for i, size in enumerate(SIZES):
         for shard in shard_choices:
             src_off = (7 * len(cases) + 1) % 4096
@@ -101,9 +104,8 @@ def phase_paged_property(ctx: Ctx, src, dst, dst_buf, peers, examples: int) -> d
     e = ctx.engine
     ran = [0]
 
-    def run_example(params: dict | None) -> str | None:
+    def run_example(p: dict[str, Any]) -> str | None:
         """Executed by every rank for one example; returns this rank's error or None."""
-        p = params
         try:
             counter = e.imm_counter(p["imm"]) if ctx.rank == p["dst_rank"] else None
             dist.barrier()  # receiver's buffer is zero and its counter is claimed
@@ -184,10 +186,11 @@ def phase_paged_property(ctx: Ctx, src, dst, dst_buf, peers, examples: int) -> d
         print_blob=False,
     )
     @given(examples_st())
-    def prop(params: dict) -> None:
+    def prop(params: dict[str, Any]) -> None:
         params["imm"] = 2000 + ran[0]
         ran[0] += 1
-        errors = gathered_errors(run_example(broadcast(params)))
+        broadcast(params)
+        errors = gathered_errors(run_example(params))
         assert not errors, f"{errors} for {params}"
 
     try:
@@ -242,7 +245,7 @@ def phase_bad_input(ctx: Ctx, src, dst, peers) -> dict:
     e, peer = ctx.engine, peers[(ctx.rank + 1) % ctx.world].descriptors[1]
     refused = {}
 
-    def refuses(name: str, exc: type, needle: str, fn) -> None:
+    def refuses(name: str, exc: type[Exception], needle: str, fn: Callable[[], object]) -> None:
         try:
             fn()
         except exc as ex:
@@ -359,7 +362,9 @@ def phase_traffic(ctx: Ctx, src, dst, dst_buf, peers, payload: int) -> dict:
     return out
 
 
-def scenario_correctness(_: None, examples: int, traffic_bytes: int, shard_min_bytes: int = 0) -> dict[str, Any]:
+def scenario_correctness(
+    _state: None, examples: int, traffic_bytes: int, shard_min_bytes: int = 0
+) -> dict[str, Any]:
     ctx = Ctx(host_nics(), poll_mode="adaptive", shard_min_bytes=shard_min_bytes, transfer_timeout=30.0)
     src_buf, dst_buf = pattern(ctx.rank), torch.zeros(BUF, dtype=torch.uint8)
     src, dst = ctx.engine.register_tensor(src_buf), ctx.engine.register_tensor(dst_buf)

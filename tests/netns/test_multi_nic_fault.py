@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import fabric_lib
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from fabric_lib.distributed import exchange
 from fabric_lib.testing import gather
 from fabric_lib.testing import netns as tb
-from multi_nic import PREFIX, Ctx, check, check_bytes, expect_exact, host_nics, on_hosts, pattern
+
+from .multi_nic import PREFIX, Ctx, check, check_bytes, expect_exact, host_nics, on_hosts, pattern
 
 pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("multi_nic_requirements")]
 
@@ -61,7 +63,7 @@ def late_bytes(dst: torch.Tensor, src: torch.Tensor, failed: list[int], slot_src
     return out
 
 
-def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str, Any]:
+def scenario_fault(_state: None, sync_dir: str, transfer_timeout: float) -> dict[str, Any]:
     """Rank 0 streams sharded writes to rank 1 while the driver takes a NIC of rank 1 down.
 
     Each stream request i writes its own 256 KiB destination slot with its own immediate; rank 1
@@ -95,9 +97,7 @@ def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str,
             strays.append(imm)
             return
         got = stream_dst[i * STREAM_CHUNK : (i + 1) * STREAM_CHUNK]
-        arrivals.setdefault(i, []).append(
-            torch.equal(got, src_buf[slot_src(i) : slot_src(i) + STREAM_CHUNK])
-        )
+        arrivals.setdefault(i, []).append(torch.equal(got, src_buf[slot_src(i) : slot_src(i) + STREAM_CHUNK]))
 
     if ctx.rank == 1:
         e.set_imm_callback(on_imm)
@@ -106,12 +106,12 @@ def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str,
     regions = [e.register_tensor(stream_dst), e.register_tensor(other_dst)]
     pinned_c, after_c = e.imm_counter(11), e.imm_counter(12)
     peers = exchange(e, [r.descriptor for r in regions])
-    out: dict = {"rank": ctx.rank}
+    out: dict[str, Any] = {"rank": ctx.rank}
     dist.barrier()
     if ctx.rank == 0:
-        records: list[dict] = []  # one per stream request
+        records: list[dict[str, Any]] = []  # one per stream request
 
-        def make_done(rec: dict):
+        def make_done(rec: dict[str, Any]) -> Callable[[BaseException | None], None]:
             def done(err: BaseException | None) -> None:
                 rec["t_done"] = time.monotonic()
                 rec["outcome"] = "ok" if err is None else type(err).__name__
@@ -120,13 +120,14 @@ def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str,
 
             return done
 
-        window, t_down, marked = 8, None, False
+        window, marked = 8, False
+        t_down: float | None = None
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(records) < STREAM_MAX:
             pending = sum(1 for r in records if "outcome" not in r)
             if pending < window:
                 i = len(records)
-                rec = {"i": i, "t_submit": time.monotonic()}
+                rec: dict[str, Any] = {"i": i, "t_submit": time.monotonic()}
                 records.append(rec)
                 try:
                     e.submit_write(
@@ -154,7 +155,7 @@ def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str,
             if t_down is not None and time.monotonic() > t_down + tt + 2.0:
                 break  # kept streaming well past one transfer timeout with the NIC down
         check(marked, "stream never got going")
-        check(t_down is not None, f"driver never took the link down ({len(records)} requests)")
+        assert t_down is not None, f"driver never took the link down ({len(records)} requests)"
         # Every request settles: no hang. Requests run out after the transfer timeout.
         settle_deadline = time.monotonic() + tt + 5.0
         while any("outcome" not in r for r in records) and time.monotonic() < settle_deadline:
@@ -180,9 +181,7 @@ def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str,
             fail_latency_max=round(max(latency), 3),
             fail_latency_min=round(min(latency), 3),
             first_failure_after_down=round(min(r["t_done"] for r in failed) - t_down, 3),
-            last_ok_after_down=round(
-                max(r["t_done"] for r in records if r["outcome"] == "ok") - t_down, 3
-            ),
+            last_ok_after_down=round(max(r["t_done"] for r in records if r["outcome"] == "ok") - t_down, 3),
             ok_submitted_after_down=len(after_down_ok),
             messages=sorted({r["message"] for r in failed})[:4],
         )
@@ -242,9 +241,7 @@ def scenario_fault(_: None, sync_dir: str, transfer_timeout: float) -> dict[str,
         ok_ids = set(sent["ok_ids"])
         if sent["restore_attempts"][-1:] == ["ok"]:
             expect_exact(after_c, 1, "sharded write after the link came back")
-            check_bytes(
-                other_dst[: 2 << 20], src_buf[: 2 << 20], "sharded write after the link came back"
-            )
+            check_bytes(other_dst[: 2 << 20], src_buf[: 2 << 20], "sharded write after the link came back")
         # Every successful request's immediate arrives (those stuck behind the dead link once
         # it is back), exactly once, and never before its data; no others but failed ones.
         deadline = time.monotonic() + 15
@@ -313,7 +310,9 @@ def test_receiver_nic_down_mid_stream(side: str) -> None:
         def run() -> None:
             try:
                 with on_hosts(bed) as ranks:
-                    pending = ranks.submit_all(scenario_fault, sync_dir=sync_dir, transfer_timeout=TRANSFER_TIMEOUT)
+                    pending = ranks.submit_all(
+                        scenario_fault, sync_dir=sync_dir, transfer_timeout=TRANSFER_TIMEOUT
+                    )
                     box["reports"] = gather(pending, 90)
             except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
                 box["error"] = e

@@ -14,13 +14,14 @@ import torch.distributed as dist
 from fabric_lib.distributed import exchange
 from fabric_lib.testing import gather, this_rank
 from fabric_lib.testing.netns import TestBed
-from multi_nic import WAIT, Ctx, check, host_nics, on_hosts
+
+from .multi_nic import WAIT, Ctx, check, host_nics, on_hosts
 
 pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("multi_nic_requirements")]
 
 
 # -- run in each host's rank ---------------------------------------------------------------------
-def scenario_mismatch(_: None, single_nic_rank: int) -> dict[str, Any]:
+def scenario_mismatch(_state: None, single_nic_rank: int) -> dict[str, Any]:
     """Rank ``single_nic_rank`` opens its engine over its first NIC only; every rank tries a write,
     a paged write, an imm and a peer group towards every other rank and reports the outcomes
     (refused across the mismatch, checked here too)."""

@@ -68,10 +68,14 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
         for h in range(3):
             out = bed.run(h, ["ip", "-o", "-4", "addr", "show"]).stdout
             got = dict(re.findall(r"^\d+: (\S+)\s+inet (\S+)", out, re.M))
-            assert got == {"lo": "127.0.0.1/8", "nic0": f"198.18.0.{h + 1}/24", "nic1": f"198.18.1.{h + 1}/24"}
+            assert got == {
+                "lo": "127.0.0.1/8",
+                "nic0": f"198.18.0.{h + 1}/24",
+                "nic1": f"198.18.1.{h + 1}/24",
+            }
             for n in range(2):
                 assert ipaddress.ip_address(bed.addr(h, n)) in tb.ADDRESS_RANGE  # 198.18.0.0/15 only
-                assert tb.ADDRESS_RANGE.supernet_of(ipaddress.ip_network(bed.subnet(n)))
+                assert tb.ADDRESS_RANGE.supernet_of(ipaddress.IPv4Network(bed.subnet(n)))
             link = bed.run(h, ["ip", "-o", "link", "show", "lo"]).stdout
             assert "UP" in link.split(">")[0], link
             assert bed.run(h, ["ip", "-o", "-6", "addr", "show"]).stdout.strip() == "", "IPv6 should be off"
@@ -86,7 +90,11 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
 
         # NIC faults: with host 1's nic1 down, host 0 cannot reach 198.18.1.2, but nic0 still works.
         bed.set_link(1, "nic1", up=False)
-        probe = [sys.executable, "-c", "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)"]
+        probe = [
+            sys.executable,
+            "-c",
+            "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
+        ]
         res = bed.run(0, [*probe, bed.addr(1, 1)], check=False, timeout=20)
         assert res.returncode != 0, res.stderr
         assert any(m in res.stderr for m in ("timed out", "No route to host", "unreachable")), res.stderr
@@ -101,7 +109,7 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
 # -- (2) fabric_lib over both NICs of two hosts ------------------------------------------------
 
 
-def engine_per_nic(_: None) -> dict[str, Any]:
+def engine_per_nic(_state: None) -> dict[str, Any]:
     """One host of test (2): an engine per NIC; rank 0 writes PAYLOAD bytes with an immediate over
     each; rank 1 checks every byte and the immediate counts. Returns this rank's report."""
     import fabric_lib
@@ -131,8 +139,12 @@ def engine_per_nic(_: None) -> dict[str, Any]:
         if rank == 0:
             futures = [
                 engine.submit_write(
-                    regions[n], peers[n][1].descriptors[0], chunk,
-                    src_offset=i * chunk, dst_offset=i * chunk, imm=100 + n,
+                    regions[n],
+                    peers[n][1].descriptors[0],
+                    chunk,
+                    src_offset=i * chunk,
+                    dst_offset=i * chunk,
+                    imm=100 + n,
                 )  # fmt: skip
                 for n, engine in enumerate(engines)
                 for i in range(CHUNKS)
@@ -159,7 +171,9 @@ def test_transfer_engine_per_nic_across_hosts() -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
     with tb.TestBed(hosts=2, nics=2, prefix=PREFIX) as bed:
-        ok = bed.run(0, [sys.executable, "-c", "import fabric_lib; print(sorted(set(fabric_lib.list_providers())))"])
+        ok = bed.run(
+            0, [sys.executable, "-c", "import fabric_lib; print(sorted(set(fabric_lib.list_providers())))"]
+        )
         for nic in ("nic0", "nic1"):
             assert f"('tcp;ofi_rxm', '{nic}')" in ok.stdout, ok.stdout
         before = [bed.nic_counters(h) for h in range(2)]
@@ -224,12 +238,15 @@ _CHILD = textwrap.dedent(
 
 @pytest.mark.netns
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name
+)
 def test_teardown_when_interrupted(sig: signal.Signals) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, tb.__file__, PREFIX], stdout=subprocess.PIPE, text=True
     )
     try:
+        assert child.stdout is not None
         tag = child.stdout.readline().strip()
         assert tag, "child did not bring its test bed up"
         assert len(_leftovers(tag)[0]) == 3
@@ -248,4 +265,3 @@ def test_teardown_when_interrupted(sig: signal.Signals) -> None:
     else:
         assert child.returncode != 0
     _assert_gone(tag)
-

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from fabric_lib.distributed import _ephemeral_low, rendezvous_port
 from fabric_lib.testing import RankError, gather, init_process_group, spawn_ranks
-from peer import imm_value, pattern
 from providers import LOOPBACK_PROVIDERS, provider_available, provider_params
+
+from .peer import imm_value, pattern
 
 WORLD = 3
 PROVIDERS = [p for p in LOOPBACK_PROVIDERS if provider_available(p)]
@@ -36,7 +37,7 @@ def boot_len(rank: int) -> int:
     return (256 << 10) + 4093 * rank + 3
 
 
-def bootstrap_rank(_: None, providers: Sequence[str], timeout: float = 60.0) -> dict[str, Any]:
+def bootstrap_rank(_state: None, providers: Sequence[str], timeout: float = 60.0) -> dict[str, Any]:
     """One rank: joins a gloo process group, then for each provider in turn runs
     ``_bootstrap_round`` (engine, ``fabric_lib.distributed.exchange``, all-to-all writes, checks).
     Returns {provider: report}; the first failure raises (the other ranks then fail on their

@@ -27,7 +27,9 @@ import pytest
 from fabric_lib.testing import RankError, gather
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peer import (
+from providers import provider_params
+
+from .peer import (
     Peer,
     PeerState,
     WriteOp,
@@ -39,7 +41,6 @@ from peer import (
     wait_imms,
     write_plan,
 )
-from providers import provider_params
 
 SRC_SIZE = 2 << 20  # each sender's buffer
 DST_SIZE = 16 << 20  # the receiver's buffer

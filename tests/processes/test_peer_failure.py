@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 from fabric_lib.testing import gather
-from peer import Peer, PeerState, WriteOp, check_plan, fill, peers, write_plan
 from providers import provider_available, provider_params
+
+from .peer import Peer, PeerState, WriteOp, check_plan, fill, peers, write_plan
 
 MiB = 1 << 20
 TRANSFER_TIMEOUT = 3.0
@@ -139,7 +140,9 @@ def write_until_peer_dies(
             i += 1
             done = track(key)
 
-            def on_done(err: BaseException | None, done: Callable[[BaseException | None], None] = done) -> None:
+            def on_done(
+                err: BaseException | None, done: Callable[[BaseException | None], None] = done
+            ) -> None:
                 done(err)
                 slots.release()
 
@@ -345,7 +348,9 @@ def test_receiver_survives_a_writer_killed_mid_stream(provider: str) -> None:
         buf_size=[size, size, size],
         engine_kwargs={"transfer_timeout": TRANSFER_TIMEOUT, "command_timeout": 5.0},
     ) as (rx, doomed, live):
-        gather([live.submit(fill, seed=SRC_SEED), doomed.submit(fill, seed=99), rx.submit(fill, seed=INIT_SEED)])
+        gather(
+            [live.submit(fill, seed=SRC_SEED), doomed.submit(fill, seed=99), rx.submit(fill, seed=INIT_SEED)]
+        )
         doomed.call(stream_writes, dst=rx.descriptor, imm=0xBAD, size=65536, max_inflight=64)
         deadline = time.monotonic() + 30
         while doomed.call(streamed) < 200:
@@ -378,7 +383,12 @@ def test_receiver_survives_a_writer_killed_mid_stream(provider: str) -> None:
             [
                 rx.submit(write_plan, dst=live.descriptor, ops=back, timeout=30.0),
                 live.submit(
-                    check_plan, ops=back, init_seed=INIT_SEED, src_seeds={0: SRC_SEED}, src_size=size, timeout=30.0
+                    check_plan,
+                    ops=back,
+                    init_seed=INIT_SEED,
+                    src_seeds={0: SRC_SEED},
+                    src_size=size,
+                    timeout=30.0,
                 ),
             ],
             timeout=90,

@@ -30,7 +30,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 if TYPE_CHECKING:
     from .netns import TestBed
@@ -334,6 +334,32 @@ def _per_rank(kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None, wo
     return [dict(k) for k in kwargs]
 
 
+@overload
+def spawn_ranks(
+    world: int,
+    *,
+    setup: None = None,
+    setup_kwargs: None = None,
+    teardown: None = None,
+    names: Sequence[str] | None = None,
+    init_method: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Ranks[None]: ...
+
+
+@overload
+def spawn_ranks(
+    world: int,
+    *,
+    setup: Setup[S],
+    setup_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    teardown: Teardown[S] | None = None,
+    names: Sequence[str] | None = None,
+    init_method: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Ranks[S]: ...
+
+
 def spawn_ranks(
     world: int,
     *,
@@ -369,6 +395,34 @@ def spawn_ranks(
         for rank in started:
             rank.close()
         raise
+
+
+@overload
+def host_ranks(
+    bed: TestBed,
+    *,
+    hosts: Sequence[int] | None = None,
+    setup: None = None,
+    setup_kwargs: None = None,
+    teardown: None = None,
+    env: Mapping[str, str | None] | None = None,
+    port: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Ranks[None]: ...
+
+
+@overload
+def host_ranks(
+    bed: TestBed,
+    *,
+    hosts: Sequence[int] | None = None,
+    setup: Setup[S],
+    setup_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    teardown: Teardown[S] | None = None,
+    env: Mapping[str, str | None] | None = None,
+    port: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Ranks[S]: ...
 
 
 def host_ranks(
