@@ -14,11 +14,10 @@ impl PyErrorClass for A2aError {
     fn class_name(&self) -> &'static str {
         match self {
             A2aError::InvalidArgument(_) => "InvalidArgumentError",
-            A2aError::KernelsUnavailable => "CudaUnavailableError",
             A2aError::Cuda(CudaError::DriverUnavailable(_) | CudaError::KernelsUnavailable) => "CudaUnavailableError",
             A2aError::Cuda(CudaError::InvalidArgument(_)) => "InvalidArgumentError",
             A2aError::Cuda(_) => "FabricError",
-            A2aError::Call { .. } | A2aError::NotConnected(_) => "FabricError",
+            A2aError::NotConnected(_) => "FabricError",
         }
     }
 }
