@@ -358,59 +358,53 @@ def test_receiver_survives_a_writer_killed_mid_stream(provider: str) -> None:
             time.sleep(0.02)
         doomed.kill()
         assert doomed.exitcode == -9
-        _, check = gather(
-            [
-                live.submit(write_plan, dst=rx.descriptor, ops=ops, timeout=30.0),
-                rx.submit(
-                    check_plan,
-                    ops=ops,
-                    init_seed=INIT_SEED,
-                    src_seeds={0: SRC_SEED},
-                    src_size=size,
-                    timeout=30.0,
-                    span=(MiB, size),  # the dead writer's stream went to [0, 64 KiB)
-                ),
-            ],
-            timeout=90,
-        )
+        # The dead writer's stream went to [0, 64 KiB).
+        check = _run_plan(live, rx, ops, size, timeout=30.0, span=(MiB, size))
         assert check["mismatch"] is None, check
         assert all(v == 0 for v in check["leftover"].values()), check
         # The receiver can still write back to the live writer.
         back = _plan(4, 0, 0xB2, 4, size)
         live.call(fill, seed=INIT_SEED)
         rx.call(fill, seed=SRC_SEED)
-        _, check = gather(
-            [
-                rx.submit(write_plan, dst=live.descriptor, ops=back, timeout=30.0),
-                live.submit(
-                    check_plan,
-                    ops=back,
-                    init_seed=INIT_SEED,
-                    src_seeds={0: SRC_SEED},
-                    src_size=size,
-                    timeout=30.0,
-                ),
-            ],
-            timeout=90,
-        )
+        check = _run_plan(rx, live, back, size, timeout=30.0)
         assert check["mismatch"] is None, check
         stop_s = rx.close()
         assert stop_s is not None and stop_s < STOP_BOUND, stop_s
+
+
+def _run_plan(
+    writer: Peer,
+    receiver: Peer,
+    ops: list[WriteOp],
+    size: int,
+    timeout: float,
+    span: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """Writes ``ops`` from writer (source ``SRC_SEED``) to receiver (filled with ``INIT_SEED``);
+    returns the receiver's ``check_plan`` report (each side waits at most ``timeout``)."""
+    _, check = gather(
+        [
+            writer.submit(write_plan, dst=receiver.descriptor, ops=ops, timeout=timeout),
+            receiver.submit(
+                check_plan,
+                ops=ops,
+                init_seed=INIT_SEED,
+                src_seeds={0: SRC_SEED},
+                src_size=size,
+                timeout=timeout,
+                span=span,
+            ),
+        ],
+        timeout=3 * timeout,
+    )
+    return dict(check)
 
 
 def _timed_plan(writer: Peer, live: Peer, ops: list[WriteOp], size: int) -> float:
     """Runs ``ops`` from writer to live (bytes and counts checked); returns the seconds it took."""
     live.call(fill, seed=INIT_SEED)
     t0 = time.monotonic()
-    _, check = gather(
-        [
-            writer.submit(write_plan, dst=live.descriptor, ops=ops, timeout=10.0),
-            live.submit(
-                check_plan, ops=ops, init_seed=INIT_SEED, src_seeds={0: SRC_SEED}, src_size=size, timeout=10.0
-            ),
-        ],
-        timeout=30,
-    )
+    check = _run_plan(writer, live, ops, size, timeout=10.0)
     latency = time.monotonic() - t0
     assert check["mismatch"] is None and all(v == 0 for v in check["leftover"].values()), check
     return latency
