@@ -194,32 +194,33 @@ class Rank(Generic[S]):
         """Reads answers (they come in submission order) until ``pending`` has its own."""
         deadline = time.monotonic() + timeout
         while not pending.done:
-            head = self._owed[0]
-            if self.broken:
-                self._fail(head, f"{self.name}: unusable after an earlier failure ({self.broken})")
-                continue
-            try:
-                ready = self._conn.poll(max(0.0, deadline - time.monotonic()))
-            except (EOFError, OSError) as e:
-                self.broken = f"connection lost: {e}"
-                continue
-            if not ready:
+            if not self._read_one(max(0.0, deadline - time.monotonic())):
                 # A late answer would be taken for the next call's: the rank is out of step.
-                self.broken = f"no answer to {head.what!r} within {timeout:.1f}s"
-                self._fail(head, f"{self.name}: {self.broken}")
-                continue
-            try:
-                status, payload = self._conn.recv()
-            except (EOFError, OSError):
-                self._proc.join(1)
-                self.broken = f"died (exit code {self._proc.exitcode}) during {head.what!r}"
-                continue
-            self._owed.pop(0)
-            head.done = True
-            if status == "ok":
-                head._value = payload
-            else:
-                head._error = RankError(f"{self.name}: {head.what!r} failed in the rank:\n{payload}")
+                self.broken = f"no answer to {self._owed[0].what!r} within {timeout:.1f}s"
+                self._fail(self._owed[0], f"{self.name}: {self.broken}")
+
+    def _read_one(self, wait: float) -> bool:
+        """Settles the oldest owed answer when it arrives within ``wait`` seconds (or fails it
+        when the rank is unusable); False when nothing came."""
+        head = self._owed[0]
+        if self.broken:
+            self._fail(head, f"{self.name}: unusable after an earlier failure ({self.broken})")
+            return True
+        try:
+            if not self._conn.poll(wait):
+                return False
+            status, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(1)
+            self.broken = f"died (exit code {self._proc.exitcode}) during {head.what!r}"
+            return True
+        self._owed.pop(0)
+        head.done = True
+        if status == "ok":
+            head._value = payload
+        else:
+            head._error = RankError(f"{self.name}: {head.what!r} failed in the rank:\n{payload}")
+        return True
 
     def _fail(self, head: Pending[Any], message: str) -> None:
         self._owed.remove(head)
@@ -264,19 +265,32 @@ class Rank(Generic[S]):
 
 
 def gather(pending: Sequence[Pending[Any]], timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
-    """Every answer, in order, within one deadline; raises the first RankError after all settled."""
+    """Every answer, in order, within one deadline. A RankError is raised as soon as one call
+    failed (the other ranks may be waiting for the failed one: closing them kills them), or at the
+    deadline for the first call still unanswered."""
     deadline = time.monotonic() + timeout
-    results: list[Any] = []
-    first_error: RankError | None = None
+    while True:
+        for p in pending:
+            if p.done and p._error is not None:
+                raise p._error
+        waiting = {id(p.rank): p.rank for p in pending if not p.done}
+        if not waiting or time.monotonic() >= deadline:
+            break
+        broken = [r for r in waiting.values() if r.broken]
+        for rank in broken:
+            rank._read_one(0)
+        if broken:
+            continue
+        conns: dict[Any, Rank[Any]] = {r._conn: r for r in waiting.values()}
+        for conn in multiprocessing.connection.wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+            conns[conn]._read_one(0)
     for p in pending:
-        try:
-            results.append(p.result(max(0.1, deadline - time.monotonic())))
-        except RankError as e:
-            results.append(e)
-            first_error = first_error or e
-    if first_error is not None:
-        raise first_error
-    return results
+        rank = p.rank
+        if not p.done and not rank.broken:
+            # As in Pending.result: a late answer would be taken for the next call's.
+            rank.broken = f"no answer to {rank._owed[0].what!r} within {timeout:.1f}s"
+            rank._fail(rank._owed[0], f"{rank.name}: {rank.broken}")
+    return [p.result(0) for p in pending]
 
 
 class Ranks(Sequence[Rank[S]]):
