@@ -35,19 +35,6 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 if TYPE_CHECKING:
     from .netns import TestBed
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "Pending",
-    "Rank",
-    "RankError",
-    "RankInfo",
-    "Ranks",
-    "gather",
-    "host_ranks",
-    "spawn_ranks",
-    "this_rank",
-]
-
 S = TypeVar("S")
 R = TypeVar("R")
 P = ParamSpec("P")
