@@ -2,6 +2,8 @@
 
 from typing import Callable, Sequence
 
+from fabric_lib.all_to_all import CombineRecvArgs, CombineSendArgs, DispatchRecvArgs, DispatchSendArgs
+
 ENCODING_VERSION: int
 
 def list_providers() -> list[tuple[str, str]]: ...
@@ -151,15 +153,6 @@ class SignalStream:
 def cuda_device_count() -> int: ...
 def cuda_kernels() -> tuple[bool, str]: ...
 def memory_kind(ptr: int) -> str: ...
-
-# The halves' arguments, one tuple each (see python-ext/src/all_to_all.rs): x, x_stride,
-# scales, scales_stride, indices, indices_stride, indices_are_i64, num_tokens, num_tokens_ptr,
-# publish_host_counts / out_x, out_scales, out_counts / expert_out, expert_out_stride, weights,
-# weights_stride / out, out_stride, num_rows.
-DispatchSendArgs = tuple[int, int, int, int, int, int, bool, int, int, bool]
-DispatchRecvArgs = tuple[int, int, int]
-CombineSendArgs = tuple[int, int, int, int]
-CombineRecvArgs = tuple[int, int, int]
 
 class AllToAll:
     def __init__(

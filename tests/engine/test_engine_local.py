@@ -175,8 +175,12 @@ def test_futures_work_with_asyncio(engine_pair) -> None:
     dst = b.register_tensor(dst_tensor)
 
     async def main() -> None:
-        writes = [asyncio.wrap_future(a.submit_write(src, dst.descriptor, 16, src_offset=i * 16,
-                                                     dst_offset=i * 16, imm=33)) for i in range(16)]
+        writes = [
+            asyncio.wrap_future(
+                a.submit_write(src, dst.descriptor, 16, src_offset=i * 16, dst_offset=i * 16, imm=33)
+            )
+            for i in range(16)
+        ]
         await asyncio.gather(*writes)
         await asyncio.wrap_future(b.expect_imm_count(33, 16))
 

@@ -1,17 +1,19 @@
-"""fabric_lib.all_to_all against a pure-torch reference, on 2 and 4 GPUs of one host.
+"""fabric_lib.all_to_all against a pure-torch reference (``a2a_reference``), on 2 and 4 GPUs of one
+host.
 
-One set of worker processes per world size runs every scenario (CUDA and NCCL start-up is paid
-once); each scenario's outcome per rank is written to a JSON file that the tests read. Needs
-``world_size`` CUDA GPUs with peer-to-peer access; skips with the reason elsewhere.
+One world of ranks per world size (``fabric_lib.testing.spawn_ranks``, NCCL process group) runs
+every scenario in turn, so CUDA and NCCL start-up is paid once; each test runs its scenario on
+every rank and asserts that each one passed. Needs ``world_size`` CUDA GPUs with peer-to-peer
+access; skips with the reason elsewhere.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,141 +21,29 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fabric_lib
-from fabric_lib.distributed import rendezvous_port
 from fabric_lib.errors import FabricTimeoutError, InvalidArgumentError
+from fabric_lib.testing import Ranks, gather, init_process_group, spawn_ranks
 
-HIDDEN = 512
-TOPK = 4
+from .a2a_reference import (
+    HIDDEN,
+    TOPK,
+    check_combine,
+    check_dispatch,
+    expected_combine,
+    make_routing,
+    make_tokens,
+    run_experts,
+)
+
 MAX_TOKENS = 96
 WORKER_TIMEOUT_S = int(os.environ.get("A2A_TEST_TIMEOUT", "420"))
-
-SCENARIOS = [
-    "uniform_bf16",
-    "uniform_fp8",
-    "skewed_bf16",
-    "skewed_fp8",
-    "empty_rank",
-    "fewer_tokens",
-    "device_num_tokens",
-    "split_halves",
-    "unfused",
-    "streaming",
-    "wide_rows",
-    "consecutive",
-    "dispatch_only_loop",
-    "cuda_graph",
-    "host_counts",
-    "bad_input",
-    "device_errors",
-    "call_order",
-    "peer_timeout",
-]
 
 
 def _gpu_count() -> int:
     try:
-        return torch.cuda.device_count()
+        return int(torch.cuda.device_count())
     except Exception:  # noqa: BLE001 - no usable CUDA counts as none
         return 0
-
-
-# ------------------------------------------------------------------------------------ reference
-
-
-def make_tokens(T: int, dtype: Any, gen: Any, device: Any, hidden: int = HIDDEN) -> tuple[Any, Any, Any]:
-    """(x, scales or None, dequantized fp32 x) with fp8 scales per 128 values."""
-    xf = torch.randn(T, hidden, generator=gen).to(device)
-    if dtype == torch.bfloat16:
-        x = xf.bfloat16()
-        return x, None, x.float()
-    blocks = xf.view(T, hidden // 128, 128)
-    scales = (blocks.abs().amax(-1).clamp(min=1e-4) / 448.0).contiguous()
-    q = (blocks / scales[..., None]).to(torch.float8_e4m3fn).view(T, hidden)
-    deq = (q.float().view(T, hidden // 128, 128) * scales[..., None]).view(T, hidden)
-    return q, scales, deq
-
-
-def make_routing(kind: str, T: int, E: int, gen: Any, device: Any) -> tuple[Any, Any]:
-    if kind == "skewed":
-        idx = torch.arange(TOPK, dtype=torch.int64).expand(T, TOPK).contiguous()
-    else:
-        idx = torch.rand(T, E, generator=gen).topk(TOPK, dim=-1).indices
-        if kind == "masked":
-            drop = torch.rand(T, TOPK, generator=gen) < 0.15
-            idx = torch.where(drop, torch.full_like(idx, -1), idx)
-    weights = torch.rand(T, TOPK, generator=gen).softmax(-1)
-    return idx.to(device), weights.to(device)
-
-
-def coef(E: int, device: Any) -> Any:
-    return 1.0 + torch.arange(E, device=device, dtype=torch.float32) / E
-
-
-def run_experts(a2a: Any, out: Any) -> Any:
-    """The 'experts': expert e multiplies its (dequantized) rows by coef[e]."""
-    L, r = a2a.local_experts, a2a.rank
-    xf = out.x.float()
-    if out.scales is not None:
-        xf = xf * out.scales.repeat_interleave(128, dim=-1)
-    c = coef(a2a.num_experts, xf.device)[r * L : (r + 1) * L]
-    return (xf * c[:, None, None]).nan_to_num().bfloat16()
-
-
-def expected_combine(deq: Any, idx: Any, w: Any, E: int, T_live: int) -> Any:
-    c = coef(E, deq.device)
-    valid = idx >= 0
-    factor = (w * c[idx.clamp(min=0)] * valid).sum(-1)
-    out = deq * factor[:, None]
-    out[T_live:] = 0
-    return out
-
-
-def check_combine(got: Any, deq: Any, idx: Any, w: Any, E: int, T_live: int) -> None:
-    want = expected_combine(deq, idx, w, E, T_live)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=3e-2)
-
-
-def check_dispatch(a2a: Any, out: Any, x: Any, scales: Any, idx: Any, T_live: int) -> None:
-    """Gathers every rank's inputs and compares the expert-major layout bit for bit."""
-    import torch.distributed as dist
-
-    W, L, K, Tm = a2a.world_size, a2a.local_experts, a2a.experts_per_token, a2a.max_num_tokens
-    dev = a2a.device
-    xb = (
-        x.view(torch.uint8)
-        if x.numel()
-        else torch.empty((0, a2a.hidden * x.element_size()), dtype=torch.uint8, device=dev)
-    )
-    row_bytes = xb.shape[1]
-    px = torch.zeros((Tm, row_bytes), dtype=torch.uint8, device=dev)
-    px[:T_live] = xb[:T_live]
-    pi = torch.full((Tm, K), -1, dtype=torch.int64, device=dev)
-    pi[:T_live] = idx[:T_live].long()
-    ns = a2a.num_scales
-    ps = torch.zeros((Tm, max(ns, 1)), dtype=torch.float32, device=dev)
-    if ns:
-        ps[:T_live] = scales[:T_live]
-    gx = [torch.empty_like(px) for _ in range(W)]
-    gi = [torch.empty_like(pi) for _ in range(W)]
-    gs = [torch.empty_like(ps) for _ in range(W)]
-    dist.all_gather(gx, px)
-    dist.all_gather(gi, pi)
-    dist.all_gather(gs, ps)
-    counts = out.counts.cpu().tolist()
-    for el in range(L):
-        e = a2a.rank * L + el
-        rows, srows = [], []
-        for s in range(W):
-            tt, _ = (gi[s] == e).nonzero(as_tuple=True)
-            rows.append(gx[s][tt])
-            srows.append(gs[s][tt])
-        want = torch.cat(rows)
-        n = want.shape[0]
-        assert counts[el] == n, f"expert {e}: {counts[el]} rows, expected {n}"
-        got = out.x[el, :n].view(torch.uint8).reshape(n, row_bytes)
-        assert torch.equal(got, want), f"expert {e}: rows differ"
-        if ns:
-            assert torch.equal(out.scales[el, :n], torch.cat(srows)[:, :ns]), f"expert {e}: scales differ"
 
 
 # ------------------------------------------------------------------------------------ scenarios
@@ -196,16 +86,12 @@ def round_trip(
     a2a.check()
 
 
-def sc_routings(dtype: Any, *routings: str) -> Any:
+def sc_routings(dtype: Any, routings: tuple[str, ...], gen: Any) -> None:
     """Round trips of MAX_TOKENS tokens with each routing in turn, on one object."""
-
-    def run(gen: Any) -> None:
-        a2a = new_a2a(dtype)
-        for routing in routings:
-            round_trip(a2a, routing, MAX_TOKENS, gen)
-        a2a.destroy()
-
-    return run
+    a2a = new_a2a(dtype)
+    for routing in routings:
+        round_trip(a2a, routing, MAX_TOKENS, gen)
+    a2a.destroy()
 
 
 def sc_empty_rank(gen: Any) -> None:
@@ -524,11 +410,13 @@ def sc_peer_timeout(gen: Any) -> None:
     dist.barrier()
 
 
-RUNNERS = {
-    "uniform_bf16": sc_routings(torch.bfloat16, "masked", "uniform"),
-    "uniform_fp8": sc_routings(torch.float8_e4m3fn, "masked", "uniform"),
-    "skewed_bf16": sc_routings(torch.bfloat16, "skewed", "uniform"),
-    "skewed_fp8": sc_routings(torch.float8_e4m3fn, "skewed", "uniform"),
+# Each scenario runs on every rank with its own generator; module-level functions (or partials of
+# them), so that they reach the ranks by reference.
+SCENARIOS: dict[str, Callable[[Any], None]] = {
+    "uniform_bf16": functools.partial(sc_routings, torch.bfloat16, ("masked", "uniform")),
+    "uniform_fp8": functools.partial(sc_routings, torch.float8_e4m3fn, ("masked", "uniform")),
+    "skewed_bf16": functools.partial(sc_routings, torch.bfloat16, ("skewed", "uniform")),
+    "skewed_fp8": functools.partial(sc_routings, torch.float8_e4m3fn, ("skewed", "uniform")),
     "empty_rank": sc_empty_rank,
     "fewer_tokens": sc_fewer_tokens,
     "device_num_tokens": sc_device_num_tokens,
@@ -545,108 +433,64 @@ RUNNERS = {
     "call_order": sc_call_order,
     "peer_timeout": sc_peer_timeout,
 }
-assert list(RUNNERS) == SCENARIOS
 
 
-def _worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
-    import datetime
+# -------------------------------------------------------------------------------- in each rank
 
+
+def join_world() -> None:
+    init_process_group("nccl", timeout=120)
+
+
+def leave_world(_state: None) -> None:
     import torch.distributed as dist
 
-    for k, v in {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    }.items():
-        os.environ.setdefault(k, v)
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        device_id=dev,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    results: dict[str, str] = {}
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    only = os.environ.get("A2A_TEST_ONLY")
-    for name in SCENARIOS:
-        if only and name not in only.split(","):
-            continue
-        gen = torch.Generator().manual_seed(1234 + 7919 * rank + sum(map(ord, name)))
-        t0 = time.monotonic()
-        try:
-            RUNNERS[name](gen)
-            results[name] = "ok"
-        except BaseException:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-        results[name + ".seconds"] = f"{time.monotonic() - t0:.2f}"
-        with open(path, "w") as f:
-            json.dump(results, f)
-        torch.cuda.synchronize()
-        dist.barrier()
     dist.destroy_process_group()
 
 
-_cache: dict[int, dict[int, dict[str, str]]] = {}
+def run_scenario(_state: None, name: str, scenario: Callable[[Any], None]) -> str:
+    """Runs one scenario; "ok", or the traceback of what it raised. Every rank meets the others
+    afterwards, so that the next scenario starts together whatever this one did."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1234 + 7919 * rank + sum(map(ord, name)))
+    try:
+        scenario(gen)
+        outcome = "ok"
+    except BaseException:  # noqa: BLE001 - reported to the test
+        outcome = traceback.format_exc()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return outcome
 
 
-def _run_world(world: int) -> dict[int, dict[str, str]]:
-    if world in _cache:
-        return _cache[world]
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out_dir = tempfile.mkdtemp(prefix=f"a2a-test-{world}-")
-    init = f"tcp://127.0.0.1:{rendezvous_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, world, init, out_dir)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results: dict[int, dict[str, str]] = {}
-    for r, p in enumerate(procs):
-        try:
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                results[r] = json.load(f)
-        except FileNotFoundError:
-            results[r] = {}
-        results[r]["exitcode"] = str(p.exitcode)
-    _cache[world] = results
-    return results
+# ------------------------------------------------------------------------------------ the tests
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}gpu")
-def world_results(request: pytest.FixtureRequest) -> dict[int, dict[str, str]]:
+def gpu_world(request: pytest.FixtureRequest) -> Iterator[Ranks[None]]:
+    """``world`` ranks, one per GPU, in one NCCL process group, for the whole module."""
     world = request.param
     found = _gpu_count()
     if found < world:
         pytest.skip(f"needs {world} CUDA GPUs on one host (found {found})")
     if not fabric_lib._rust.AllToAll.kernel_archs():
         pytest.skip("fabric_lib was built without nvcc: no all-to-all kernels")
-    return _run_world(world)
+    with spawn_ranks(world, setup=join_world, teardown=leave_world, timeout=180) as ranks:
+        yield ranks
 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 60)
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_all_to_all(world_results: dict[int, dict[str, str]], scenario: str) -> None:
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_all_to_all(gpu_world: Ranks[None], scenario: str) -> None:
     only = os.environ.get("A2A_TEST_ONLY")
     if only and scenario not in only.split(","):
         pytest.skip("not selected by A2A_TEST_ONLY")
-    failures = []
-    for rank, res in sorted(world_results.items()):
-        outcome = res.get(scenario, f"did not run (worker exit code {res.get('exitcode')})")
-        if outcome != "ok":
-            failures.append(f"rank {rank}:\n{outcome}")
+    outcomes = gather(gpu_world.submit_all(run_scenario, scenario, SCENARIOS[scenario]), WORKER_TIMEOUT_S)
+    failures = [f"rank {rank}:\n{outcome}" for rank, outcome in enumerate(outcomes) if outcome != "ok"]
     assert not failures, "\n".join(failures)
 
 

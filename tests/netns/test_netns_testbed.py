@@ -1,8 +1,7 @@
-"""The network-namespace test bed (fabric_lib.testbed.netns), and fabric_lib across its hosts.
+"""The network-namespace test bed (fabric_lib.testing.netns), and fabric_lib across its hosts.
 
 Needs root (to create network namespaces); skips with the reason otherwise. Run alone with
-``pytest -m netns tests/test_netns_testbed.py``. This file is also the worker script that the
-multi-host test starts inside each namespace (``python tests/test_netns_testbed.py worker``).
+``pytest -m netns tests/netns/test_netns_testbed.py``.
 """
 
 from __future__ import annotations
@@ -16,16 +15,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
+from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-
-
-from fabric_lib.testbed import netns as tb  # noqa: E402
+from fabric_lib.testing import gather, host_ranks, init_process_group, this_rank
+from fabric_lib.testing import netns as tb
 
 PREFIX = "fltest"  # distinct from the CLI's default "fl", so these tests never touch its beds
 PAYLOAD = 4 << 20  # bytes written over each NIC
@@ -74,10 +68,14 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
         for h in range(3):
             out = bed.run(h, ["ip", "-o", "-4", "addr", "show"]).stdout
             got = dict(re.findall(r"^\d+: (\S+)\s+inet (\S+)", out, re.M))
-            assert got == {"lo": "127.0.0.1/8", "nic0": f"198.18.0.{h + 1}/24", "nic1": f"198.18.1.{h + 1}/24"}
+            assert got == {
+                "lo": "127.0.0.1/8",
+                "nic0": f"198.18.0.{h + 1}/24",
+                "nic1": f"198.18.1.{h + 1}/24",
+            }
             for n in range(2):
                 assert ipaddress.ip_address(bed.addr(h, n)) in tb.ADDRESS_RANGE  # 198.18.0.0/15 only
-                assert tb.ADDRESS_RANGE.supernet_of(ipaddress.ip_network(bed.subnet(n)))
+                assert tb.ADDRESS_RANGE.supernet_of(ipaddress.IPv4Network(bed.subnet(n)))
             link = bed.run(h, ["ip", "-o", "link", "show", "lo"]).stdout
             assert "UP" in link.split(">")[0], link
             assert bed.run(h, ["ip", "-o", "-6", "addr", "show"]).stdout.strip() == "", "IPv6 should be off"
@@ -92,7 +90,11 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
 
         # NIC faults: with host 1's nic1 down, host 0 cannot reach 198.18.1.2, but nic0 still works.
         bed.set_link(1, "nic1", up=False)
-        probe = [sys.executable, "-c", "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)"]
+        probe = [
+            sys.executable,
+            "-c",
+            "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
+        ]
         res = bed.run(0, [*probe, bed.addr(1, 1)], check=False, timeout=20)
         assert res.returncode != 0, res.stderr
         assert any(m in res.stderr for m in ("timed out", "No route to host", "unreachable")), res.stderr
@@ -107,25 +109,17 @@ def test_three_hosts_two_nics_reach_each_other_and_tear_down() -> None:
 # -- (2) fabric_lib over both NICs of two hosts ------------------------------------------------
 
 
-def _worker() -> None:
+def engine_per_nic(_state: None) -> dict[str, Any]:
     """One host of test (2): an engine per NIC; rank 0 writes PAYLOAD bytes with an immediate over
-    each; rank 1 checks every byte and the immediate counts."""
-    from datetime import timedelta
-
+    each; rank 1 checks every byte and the immediate counts. Returns this rank's report."""
     import fabric_lib
     import torch
     import torch.distributed as dist
     from fabric_lib.distributed import exchange
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = this_rank().rank
     nics = os.environ[tb.ENV_NICS].split(",")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ[tb.ENV_BOOTSTRAP]}:{os.environ['MASTER_PORT']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_process_group("gloo", timeout=60)
     engines = [
         fabric_lib.TransferEngine("tcp", nic, poll_mode="adaptive", transfer_timeout=30.0) for nic in nics
     ]
@@ -141,12 +135,16 @@ def _worker() -> None:
         peers = [exchange(engine, [region.descriptor]) for engine, region in zip(engines, regions)]
         for n, (engine, nic) in enumerate(zip(engines, nics)):
             assert engine.domain_name == nic, (engine.domain_name, nic)
-        report = {"rank": rank, "domains": [e.domain_name for e in engines]}
+        report: dict[str, Any] = {"rank": rank, "domains": [e.domain_name for e in engines]}
         if rank == 0:
             futures = [
                 engine.submit_write(
-                    regions[n], peers[n][1].descriptors[0], chunk,
-                    src_offset=i * chunk, dst_offset=i * chunk, imm=100 + n,
+                    regions[n],
+                    peers[n][1].descriptors[0],
+                    chunk,
+                    src_offset=i * chunk,
+                    dst_offset=i * chunk,
+                    imm=100 + n,
                 )  # fmt: skip
                 for n, engine in enumerate(engines)
                 for i in range(CHUNKS)
@@ -160,7 +158,7 @@ def _worker() -> None:
                 assert torch.equal(buffers[n], expected[n]), f"bytes differ on {nics[n]}"
             report["verified"] = [PAYLOAD] * len(nics)
         dist.barrier()
-        print("REPORT", report, flush=True)
+        return report
     finally:
         for engine in engines:
             engine.stop()
@@ -173,20 +171,18 @@ def test_transfer_engine_per_nic_across_hosts() -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
     with tb.TestBed(hosts=2, nics=2, prefix=PREFIX) as bed:
-        ok = bed.run(0, [sys.executable, "-c", "import fabric_lib; print(sorted(set(fabric_lib.list_providers())))"])
+        ok = bed.run(
+            0, [sys.executable, "-c", "import fabric_lib; print(sorted(set(fabric_lib.list_providers())))"]
+        )
         for nic in ("nic0", "nic1"):
             assert f"('tcp;ofi_rxm', '{nic}')" in ok.stdout, ok.stdout
         before = [bed.nic_counters(h) for h in range(2)]
-        results = bed.run_all(
-            [sys.executable, str(Path(__file__).resolve()), "worker"],
-            timeout=90,
-            cwd=str(ROOT),
-            env={"PYTHONPATH": os.environ.get("PYTHONPATH"), "FI_TCP_IFACE": None, "OMP_NUM_THREADS": "1"},
-        )
+        with host_ranks(bed, env={"FI_TCP_IFACE": None, "OMP_NUM_THREADS": "1"}) as ranks:
+            reports = gather(ranks.submit_all(engine_per_nic), timeout=90)
         after = [bed.nic_counters(h) for h in range(2)]
-    for r in results:
-        assert f"REPORT {{'rank': {r.rank}, 'domains': ['nic0', 'nic1']" in r.stdout, r.stdout + r.stderr
-    assert "'verified': [4194304, 4194304]" in results[1].stdout
+    for rank, report in enumerate(reports):
+        assert report["rank"] == rank and report["domains"] == ["nic0", "nic1"], report
+    assert reports[1]["verified"] == [4194304, 4194304], reports[1]
     for nic in ("nic0", "nic1"):
         sent = after[0][nic]["tx_bytes"] - before[0][nic]["tx_bytes"]
         received = after[1][nic]["rx_bytes"] - before[1][nic]["rx_bytes"]
@@ -242,12 +238,15 @@ _CHILD = textwrap.dedent(
 
 @pytest.mark.netns
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name
+)
 def test_teardown_when_interrupted(sig: signal.Signals) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, tb.__file__, PREFIX], stdout=subprocess.PIPE, text=True
     )
     try:
+        assert child.stdout is not None
         tag = child.stdout.readline().strip()
         assert tag, "child did not bring its test bed up"
         assert len(_leftovers(tag)[0]) == 3
@@ -266,7 +265,3 @@ def test_teardown_when_interrupted(sig: signal.Signals) -> None:
     else:
         assert child.returncode != 0
     _assert_gone(tag)
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
-    _worker()

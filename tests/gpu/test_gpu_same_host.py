@@ -7,7 +7,6 @@ first tests run everywhere and check the no-CUDA behaviour (typed errors, nothin
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import threading
 import time
 
@@ -16,12 +15,13 @@ import fabric_lib.cuda as fcuda
 import pytest
 import torch
 from fabric_lib.errors import CudaUnavailableError, InvalidArgumentError
+from fabric_lib.testing import spawn_ranks
 
 try:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
-    given = None
+    given = None  # type: ignore[assignment]
 
 
 def _num_gpus() -> int:
@@ -36,7 +36,9 @@ def _num_gpus() -> int:
 NGPU = _num_gpus()
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU (none visible)")
 needs_two = pytest.mark.skipif(NGPU < 2, reason=f"needs two CUDA GPUs ({NGPU} visible)")
-needs_kernels = pytest.mark.skipif(not fcuda.kernels()[0], reason="this build carries no CUDA kernels (no nvcc)")
+needs_kernels = pytest.mark.skipif(
+    not fcuda.kernels()[0], reason="this build carries no CUDA kernels (no nvcc)"
+)
 
 TIMEOUT = 30.0
 
@@ -79,7 +81,9 @@ def test_without_cuda_gpu_features_raise_cuda_unavailable() -> None:
 # -- helpers for GPU tests ---------------------------------------------------------------------
 
 
-def _expected_pages(dst: torch.Tensor, src: torch.Tensor, page_len: int, src_pages, dst_pages) -> torch.Tensor:
+def _expected_pages(
+    dst: torch.Tensor, src: torch.Tensor, page_len: int, src_pages, dst_pages
+) -> torch.Tensor:
     out = dst.clone()
     for s, d in zip(src_pages, dst_pages):
         out[d * page_len : (d + 1) * page_len] = src[s * page_len : (s + 1) * page_len].to(out.device)
@@ -140,7 +144,9 @@ def _check_pair(p: _Pair) -> None:
         src_pages = [5, 0, 63, 17, 17]
         dst_pages = [1, 2, 3, 60, 0]
         expected = _expected_pages(dst.cpu(), src.cpu(), p.page_len, src_pages, dst_pages)
-        p.w.submit_paged_writes(p.page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=imm).result(TIMEOUT)
+        p.w.submit_paged_writes(p.page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=imm).result(
+            TIMEOUT
+        )
         p.r.imm_counter(imm).wait(1, timeout=TIMEOUT)
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), expected), name
@@ -176,7 +182,9 @@ def test_two_gpus_one_process_all_directions_and_1000_requests() -> None:
         for i in range(n_req):
             s = [(i + k) % p.pages for k in range(4)]
             d = [(7 * i + 3 * k) % p.pages for k in range(4)]
-            futures.append(p.w.submit_paged_writes(p.page_len, p.src_gpu_r, s, p.dst_gpu_r.descriptor, d, imm=imm))
+            futures.append(
+                p.w.submit_paged_writes(p.page_len, p.src_gpu_r, s, p.dst_gpu_r.descriptor, d, imm=imm)
+            )
         for f in futures:
             f.result(TIMEOUT)
         p.r.imm_counter(imm).wait(n_req, timeout=TIMEOUT)
@@ -205,7 +213,9 @@ if given is not None:
         page_len = data.draw(st.sampled_from([16, 1000, 4096]))
         pages = (p.pages * p.page_len) // page_len
         count = data.draw(st.integers(1, min(pages, 48)))
-        dst_pages = data.draw(st.lists(st.integers(0, pages - 1), unique=True, min_size=count, max_size=count))
+        dst_pages = data.draw(
+            st.lists(st.integers(0, pages - 1), unique=True, min_size=count, max_size=count)
+        )
         src_pages = data.draw(st.lists(st.integers(0, pages - 1), min_size=count, max_size=count))
         which = data.draw(st.sampled_from(range(3)))
         name, src_r, src, dst_r, dst = _combos(p)[which]
@@ -215,7 +225,9 @@ if given is not None:
         srcc = src.cpu()
         for s, d in zip(src_pages, dst_pages):
             expected[d * page_len : (d + 1) * page_len] = srcc[s * page_len : (s + 1) * page_len]
-        p.w.submit_paged_writes(page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=55).result(TIMEOUT)
+        p.w.submit_paged_writes(page_len, src_r, src_pages, dst_r.descriptor, dst_pages, imm=55).result(
+            TIMEOUT
+        )
         p.r.imm_counter(55).wait(1, timeout=TIMEOUT)
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), expected), name
@@ -245,30 +257,43 @@ def _close_cached_pair():
 # -- two processes -------------------------------------------------------------------------------
 
 
-def _receiver(conn, device: int, nbytes: int) -> None:
-    torch.cuda.set_device(device)
-    e = _engine()
-    dst_gpu = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-    dst_host = torch.zeros(nbytes, dtype=torch.uint8)
-    rg, rh = e.register_tensor(dst_gpu), e.register_tensor(dst_host)
+class _Receiver:
+    """The receiving process's engine and destination tensors (on its GPU and in host memory)."""
+
+    def __init__(self, device: int, nbytes: int) -> None:
+        torch.cuda.set_device(device)
+        self.engine = _engine()
+        self.dst = {
+            "gpu": torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}"),
+            "host": torch.zeros(nbytes, dtype=torch.uint8),
+        }
+        self.regions = {which: self.engine.register_tensor(t) for which, t in self.dst.items()}
+        torch.cuda.synchronize()
+
+
+def open_receiver(device: int, nbytes: int) -> _Receiver:
+    return _Receiver(device, nbytes)
+
+
+def stop_receiver(rx: _Receiver) -> None:
+    rx.engine.stop()
+
+
+def receiver_descriptors(rx: _Receiver) -> tuple[bytes, bytes]:
+    return rx.regions["gpu"].descriptor.to_bytes(), rx.regions["host"].descriptor.to_bytes()
+
+
+def receive(rx: _Receiver, imm: int, n: int, which: str) -> tuple[bytes, int]:
+    """Waits for ``n`` arrivals of ``imm``; returns the bytes of the ``which`` tensor (then zeroes
+    it) and the arrivals counted beyond ``n``."""
+    rx.engine.imm_counter(imm).wait(n, timeout=TIMEOUT)
+    extra = rx.engine.imm_counter(imm).value
     torch.cuda.synchronize()
-    conn.send((rg.descriptor.to_bytes(), rh.descriptor.to_bytes()))
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "stop":
-            break
-        _, imm, n, which = cmd
-        try:
-            e.imm_counter(imm).wait(n, timeout=TIMEOUT)
-            extra = e.imm_counter(imm).value
-            torch.cuda.synchronize()
-            t = dst_gpu if which == "gpu" else dst_host
-            conn.send(("ok", t.cpu().numpy().tobytes(), extra))
-            t.zero_()
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001
-            conn.send(("error", repr(exc), 0))
-    e.stop()
+    t = rx.dst[which]
+    data = t.cpu().numpy().tobytes()
+    t.zero_()
+    torch.cuda.synchronize()
+    return data, extra
 
 
 @needs_two
@@ -277,13 +302,14 @@ def _receiver(conn, device: int, nbytes: int) -> None:
 def test_two_processes_two_gpus() -> None:
     page_len, pages = 4096, 64
     nbytes = page_len * pages
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, 1, nbytes), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(120), "receiver did not start"
-        gpu_desc, host_desc = (fabric_lib.MrDescriptor.from_bytes(b) for b in parent.recv())
+    with spawn_ranks(
+        1,
+        setup=open_receiver,
+        setup_kwargs={"device": 1, "nbytes": nbytes},
+        teardown=stop_receiver,
+        timeout=120,
+    ) as (rx,):
+        gpu_desc, host_desc = (fabric_lib.MrDescriptor.from_bytes(b) for b in rx.call(receiver_descriptors))
         assert gpu_desc.kind == "cuda:1" and not gpu_desc.network_reachable
         w = _engine()
         src_gpu = _rand_bytes(nbytes, "cuda:0", 3)
@@ -293,25 +319,29 @@ def test_two_processes_two_gpus() -> None:
         import random
 
         rng = random.Random(5)
-        cases = [("gpu", rs_gpu, src_gpu, gpu_desc, "gpu"), ("host", rs_host, src_host, gpu_desc, "gpu"),
-                 ("gpu", rs_gpu, src_gpu, host_desc, "host")]
+        cases = [
+            ("gpu", rs_gpu, src_gpu, gpu_desc, "gpu"),
+            ("host", rs_host, src_host, gpu_desc, "gpu"),
+            ("gpu", rs_gpu, src_gpu, host_desc, "host"),
+        ]
         for it in range(12):
             _, sr, src, dd, which = cases[it % 3]
             count = rng.randint(1, pages)
             dst_pages = rng.sample(range(pages), count)
             src_pages = [rng.randrange(pages) for _ in range(count)]
             imm = 200 + it
-            parent.send(("wait", imm, 1, which))
+            arrived = rx.submit(receive, imm, 1, which)
             w.submit_paged_writes(page_len, sr, src_pages, dd, dst_pages, imm=imm).result(TIMEOUT)
-            status, data, extra = parent.recv()
-            assert status == "ok", data
-            expected = _expected_pages(torch.zeros(nbytes, dtype=torch.uint8), src.cpu(), page_len, src_pages, dst_pages)
+            data, extra = arrived.result(TIMEOUT + 10)
+            expected = _expected_pages(
+                torch.zeros(nbytes, dtype=torch.uint8), src.cpu(), page_len, src_pages, dst_pages
+            )
             got = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             assert torch.equal(got, expected), f"case {it} ({which})"
             assert extra == 0
         # 1000 consecutive requests into the peer GPU, one count.
         n_req = 1000
-        parent.send(("wait", 500, n_req, "gpu"))
+        arrived = rx.submit(receive, 500, n_req, "gpu")
         expected = torch.zeros(nbytes, dtype=torch.uint8)
         srcc = src_gpu.cpu()
         futures = []
@@ -321,16 +351,10 @@ def test_two_processes_two_gpus() -> None:
             expected = _expected_pages(expected, srcc, page_len, s, d)
         for f in futures:
             f.result(TIMEOUT)
-        status, data, extra = parent.recv()
-        assert status == "ok", data
+        data, extra = arrived.result(TIMEOUT + 10)
         assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.uint8), expected)
         assert extra == 0
         w.stop()
-    finally:
-        parent.send(("stop",))
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
 
 
 # -- bad input --------------------------------------------------------------------------------

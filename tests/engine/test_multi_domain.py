@@ -49,8 +49,16 @@ def test_paged_writes_property(trio, page_len, pages, src_extra, dst_extra, seed
         imm = seed & 0xFFFF
         with b.imm_counter(imm) as counter:
             a.submit_paged_writes(
-                page_len, rs, pages, rd.descriptor, dst_pages,
-                src_stride=src_stride, src_offset=3, dst_stride=dst_stride, dst_offset=2, imm=imm,
+                page_len,
+                rs,
+                pages,
+                rd.descriptor,
+                dst_pages,
+                src_stride=src_stride,
+                src_offset=3,
+                dst_stride=dst_stride,
+                dst_offset=2,
+                imm=imm,
             ).result(timeout=30)
             counter.wait(1, timeout=30)
             _settle_and_assert_no_extra(b, [imm])
@@ -73,8 +81,9 @@ def test_sharded_single_write(trio, length, shard_domains) -> None:
     dst = torch.zeros(length + 4, dtype=torch.uint8)
     rs, rd = a.register_tensor(src), b.register_tensor(dst)
     with b.imm_counter(500) as counter:
-        a.submit_write(rs, rd.descriptor, length, src_offset=9, dst_offset=4, imm=500,
-                       shard_domains=shard_domains).result(timeout=30)
+        a.submit_write(
+            rs, rd.descriptor, length, src_offset=9, dst_offset=4, imm=500, shard_domains=shard_domains
+        ).result(timeout=30)
         counter.wait(1, timeout=30)
         _settle_and_assert_no_extra(b, [500])
     assert torch.equal(dst[4:], src[9:])
