@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import math
 import mmap
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -26,6 +25,8 @@ from fabric_lib.errors import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from .peer import peers
 
 BAD_OPTIONS: list[dict[str, Any]] = [
     {"transfer_timeout": 1e19},
@@ -138,37 +139,15 @@ _REAL_BYTES = _real_address_bytes()
 
 
 # -- a peer that stops answering --------------------------------------------------------------
-def _receiver(conn: Any) -> None:
-    e = fabric_lib.TransferEngine("tcp", poll_mode="adaptive")
-    buf = np.zeros(1 << 20, dtype=np.uint8)
-    region = e.register_memory(buf.ctypes.data, buf.nbytes, buf)
-    counter = e.imm_counter(3)
-    conn.send((e.main_address.to_bytes(), region.descriptor.to_bytes()))
-    while True:
-        cmd = conn.recv()
-        if cmd == "count":
-            conn.send(counter.value)
-        elif cmd == "stop":
-            e.stop()
-            conn.send(None)
-            return
-
-
 def test_timed_out_peer_is_fenced_until_readmitted() -> None:
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(there,), daemon=True)
-    proc.start()
-    try:
-        assert here.poll(60), "receiver did not start"
-        address, descriptor = here.recv()
-        peer = fabric_lib.EngineAddress.from_bytes(address)
-        dst = fabric_lib.MrDescriptor.from_bytes(descriptor)
+    with peers("tcp", ["receiver"]) as (receiver,):
+        peer = fabric_lib.EngineAddress.from_bytes(receiver.address)
+        dst = fabric_lib.MrDescriptor.from_bytes(receiver.descriptor)
         with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=2.0) as e:
             src = np.ones(1 << 20, dtype=np.uint8)
             region = e.register_memory(src.ctypes.data, src.nbytes, src)
             e.submit_write(region, dst, imm=3).result(timeout=10)
-            os.kill(proc.pid, signal.SIGSTOP)
+            os.kill(receiver.pid, signal.SIGSTOP)
             try:
                 with pytest.raises(FabricTimeoutError) as timed_out:
                     for _ in range(64):  # fill the socket buffers until a write stalls
@@ -179,14 +158,7 @@ def test_timed_out_peer_is_fenced_until_readmitted() -> None:
                     e.submit_write(region, dst, imm=3).result(timeout=10)
                 assert time.monotonic() - t < 1.0, "a fenced peer fails at once"
             finally:
-                os.kill(proc.pid, signal.SIGCONT)
+                os.kill(receiver.pid, signal.SIGCONT)
             assert e.readmit_peer(peer) is True
             assert e.readmit_peer(peer) is False
             e.submit_write(region, dst, imm=3).result(timeout=10)
-        here.send("stop")
-        assert here.poll(30)
-        here.recv()
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
