@@ -64,9 +64,8 @@ struct Request {
     on_done: Notify,
     /// Immediates to send once every data shard was delivered, with their resolved targets.
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
-    /// The peers it writes to or sends to (per peer, its endpoint on each domain): fenced if
-    /// the request times out.
-    peers: Vec<Vec<Vec<u8>>>,
+    /// The peers it writes to or sends to (moved in, not copied): fenced if it times out.
+    peers: Vec<Target>,
 }
 
 #[derive(Clone, Copy)]
@@ -387,13 +386,9 @@ impl Worker {
         id
     }
 
-    /// Records a request's peers (endpoints per domain) and returns an error if one is fenced.
-    fn check_fences(&mut self, request: u64, peers: impl Iterator<Item = Vec<Vec<u8>>>) -> Option<FabricError> {
-        let peers: Vec<Vec<Vec<u8>>> = peers.collect();
-        let fenced = peers.iter().any(|p| p.first().is_some_and(|first| self.fenced.contains(first)));
-        if let Some(req) = self.requests.get_mut(&request) {
-            req.peers = peers;
-        }
+    /// The error for a request to a fenced peer, if one of `peers` is.
+    fn fence_error<'a>(&self, mut peers: impl Iterator<Item = &'a Target>) -> Option<FabricError> {
+        let fenced = peers.any(|p| p.addresses.first().is_some_and(|first| self.fenced.contains(first)));
         fenced.then(|| {
             FabricError::PeerFenced(
                 "an earlier request to this peer timed out; call readmit_peer(address) once the application \
@@ -401,6 +396,13 @@ impl Worker {
                     .into(),
             )
         })
+    }
+
+    /// Keeps a request's peers, to fence them if it times out.
+    fn keep_peers(&mut self, request: u64, peers: Vec<Target>) {
+        if let Some(req) = self.requests.get_mut(&request) {
+            req.peers = peers;
+        }
     }
 
     /// Fences a peer after a timeout: no more posts to it, and posts still queued for it fail.
@@ -440,7 +442,7 @@ impl Worker {
     fn start_transfer(&mut self, t: Transfer) {
         let Transfer { region, targets, shards, deferred, on_done } = t;
         let id = self.new_request(on_done, shards.len().max(1));
-        if let Some(e) = self.check_fences(id, targets.iter().map(|t| t.addresses.clone())) {
+        if let Some(e) = self.fence_error(targets.iter()) {
             return self.fail_request(id, e);
         }
         let base = if region == SCRATCH_REGION {
@@ -467,6 +469,7 @@ impl Worker {
         self.requests.get_mut(&id).expect("just inserted").deferred = resolved;
         if shards.is_empty() {
             // Immediate-only request (barrier, or no data): the deferred imms are the request.
+            self.keep_peers(id, targets);
             return self.finish(id, Ok(()));
         }
         for s in shards {
@@ -492,6 +495,7 @@ impl Worker {
             };
             self.post_or_queue(domain, PendingPost { request: id, op });
         }
+        self.keep_peers(id, targets);
     }
 
     fn start_same_host(&mut self, t: SameHostTransfer) {
@@ -505,7 +509,7 @@ impl Worker {
             }
         };
         if let Some((imm, target)) = imm {
-            if let Some(e) = self.check_fences(id, std::iter::once(target.addresses.clone())) {
+            if let Some(e) = self.fence_error(std::iter::once(&target)) {
                 return self.fail_request(id, e);
             }
             let domain = (id as usize % self.domains.len()) as u16;
@@ -515,6 +519,7 @@ impl Worker {
                 Ok(dest) => {
                     let d = crate::sharding::DeferredImm { peer: 0, domain, imm };
                     self.requests.get_mut(&id).expect("just inserted").deferred = vec![(d, dest, key, remote_base)];
+                    self.keep_peers(id, vec![target]);
                 }
                 Err(e) => return self.fail_request(id, e),
             }
@@ -539,11 +544,15 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
-        if let Some(e) = self.check_fences(id, std::iter::once(vec![peer.clone()])) {
+        let target = Target { addresses: vec![peer], keys: Vec::new() };
+        if let Some(e) = self.fence_error(std::iter::once(&target)) {
             return self.finish(id, Err(e));
         }
-        match self.domains[0].domain.resolve_peer(&peer) {
-            Ok(dest) => self.queue_send(id, dest, data),
+        match self.domains[0].domain.resolve_peer(&target.addresses[0]) {
+            Ok(dest) => {
+                self.keep_peers(id, vec![target]);
+                self.queue_send(id, dest, data)
+            }
             Err(e) => self.finish(id, Err(e)),
         }
     }
@@ -942,7 +951,7 @@ impl Worker {
             if let Some(req) = self.requests.remove(&id) {
                 self.purge_pending(id);
                 for peer in &req.peers {
-                    self.fence(peer);
+                    self.fence(&peer.addresses);
                 }
                 let timeout = self.transfer_timeout;
                 let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
