@@ -29,6 +29,9 @@ int shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint6
                    uint64_t requested_key, uint64_t flags, struct fid_mr **mr, void *context) {
     return fi_mr_reg(domain, buf, len, access, offset, requested_key, flags, mr, context);
 }
+int shim_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr, uint64_t flags, struct fid_mr **mr) {
+    return fi_mr_regattr(domain, attr, flags, mr);
+}
 void *shim_fi_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }
 uint64_t shim_fi_mr_key(struct fid_mr *mr) { return fi_mr_key(mr); }
 int shim_fi_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags) { return fi_mr_bind(mr, bfid, flags); }

@@ -23,6 +23,7 @@ int shim_fi_getname(struct fid *fid, void *addr, size_t *addrlen);
 int shim_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags, void *context);
 int shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access, uint64_t offset,
                    uint64_t requested_key, uint64_t flags, struct fid_mr **mr, void *context);
+int shim_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr, uint64_t flags, struct fid_mr **mr);
 void *shim_fi_mr_desc(struct fid_mr *mr);
 uint64_t shim_fi_mr_key(struct fid_mr *mr);
 int shim_fi_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags);

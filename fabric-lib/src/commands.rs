@@ -51,7 +51,8 @@ pub(crate) struct SendCommand {
 }
 
 pub(crate) enum Command {
-    /// `network: false` records the region for same-host use only (GPU memory without FI_HMEM).
+    /// `network: false` records the region for same-host use only (GPU memory the NIC cannot
+    /// reach); `network: true` registers it on every domain (GPU memory needs FI_HMEM).
     Register {
         region: u64,
         ptr: usize,

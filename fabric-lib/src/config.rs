@@ -106,6 +106,14 @@ pub struct EngineConfig {
     pub uvm_watcher_cpu: Option<usize>,
     /// When a write counts as done for its writer.
     pub write_completion: WriteCompletion,
+    /// Ask for FI_HMEM and register GPU memory with the NIC, so peers on other hosts reach GPU
+    /// regions directly. `None`: on the RDMA providers (efa, verbs;ofi_rxm) only; `Some(true)`
+    /// also on software providers that offer it (shm of a CUDA-enabled libfabric). FI_HMEM
+    /// changes a provider's protocol, so software providers use it only when asked.
+    pub gpu_network: Option<bool>,
+    /// Send same-host transfers involving GPU memory over the provider too, as two hosts would,
+    /// instead of CUDA IPC (tests and benchmarks of the network path on one machine).
+    pub force_network: bool,
 }
 
 impl EngineConfig {
@@ -168,6 +176,8 @@ impl Default for EngineConfig {
             paged_copy_blocks: cuda_lib::PAGED_COPY_DEFAULT_BLOCKS,
             uvm_watcher_cpu: None,
             write_completion: WriteCompletion::Auto,
+            gpu_network: None,
+            force_network: false,
         }
     }
 }

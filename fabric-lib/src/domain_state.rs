@@ -20,7 +20,7 @@ pub(crate) struct DomainState {
 
 impl DomainState {
     pub fn open(index: usize, spec: &DomainSpec, config: &EngineConfig) -> Result<Self> {
-        let mut domain = LibfabricDomain::open(spec)?;
+        let mut domain = LibfabricDomain::open(spec, config.gpu_network)?;
         // The immediate slot: peers write zero bytes into it (the immediate is the point), and
         // it is the source of this engine's zero-byte writes. Nothing ever reads it.
         let scratch = MsgBuffers::new(&mut domain, 1, 64, Access::RemoteWrite)?;

@@ -68,7 +68,7 @@ fn context(device: usize) -> Result<Arc<cuda_lib::Context>> {
 }
 
 /// A 64-bit word in mapped pinned host memory: kernels read or write it through
-/// [`GpuWord::device_ptr`], the CPU through atomics. (No GDRCopy: these hosts have no
+/// [`GpuWord::device_ptr`], the CPU through atomics. (No GDRCopy: hosts without
 /// `/dev/gdrdrv`; mapped host memory costs about 1.5 µs one way.)
 pub struct GpuWord {
     buf: cuda_lib::PinnedHostBuffer,

@@ -41,6 +41,8 @@ pub(crate) struct WorkerInfo {
     pub exited: Arc<AtomicBool>,
     /// Messages refused for exceeding max_message_size.
     pub oversized_messages: Arc<AtomicU64>,
+    /// Every domain has FI_HMEM: GPU memory can be registered with the NIC.
+    pub hmem: bool,
 }
 
 /// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
@@ -142,6 +144,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                         stats: worker.stats.clone(),
                         exited: worker.exited.clone(),
                         oversized_messages: worker.oversized_messages.clone(),
+                        hmem: worker.domains.iter().all(|d| d.domain.has_hmem()),
                     };
                     let _ = ready_tx.send(Ok(info));
                     // A bug must not leave futures pending forever: whatever happens in the
@@ -325,13 +328,16 @@ impl Worker {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Register { region, ptr, len, kind, network, reply } => {
-                let mrs: Result<Vec<LocalMr>> = if network {
-                    self.domains
+                let mrs: Result<Vec<LocalMr>> = match (network, kind) {
+                    (false, _) => Ok(Vec::new()),
+                    (true, MemoryKind::Host) => self
+                        .domains
                         .iter_mut()
                         .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
-                        .collect()
-                } else {
-                    Ok(Vec::new())
+                        .collect(),
+                    (true, MemoryKind::Cuda(device)) => {
+                        self.domains.iter_mut().map(|d| d.domain.register_cuda(ptr as *mut u8, len, device)).collect()
+                    }
                 };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();

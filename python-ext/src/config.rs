@@ -64,6 +64,8 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
                     }
                 }
             }
+            "gpu_network" => config.gpu_network = Some(value.extract().map_err(wrong)?),
+            "force_network" => config.force_network = value.extract().map_err(wrong)?,
             "transfer_timeout" => config.transfer_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "command_timeout" => config.command_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "max_message_size" => config.max_message_size = value.extract().map_err(wrong)?,
@@ -96,6 +98,8 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("shard_min_bytes", c.shard_min_bytes)?;
     d.set_item("paged_copy_blocks", c.paged_copy_blocks)?;
     d.set_item("uvm_watcher_cpu", c.uvm_watcher_cpu)?;
+    d.set_item("gpu_network", c.gpu_network)?;
+    d.set_item("force_network", c.force_network)?;
     d.set_item(
         "write_completion",
         match c.write_completion {

@@ -287,6 +287,12 @@ impl PyTransferEngine {
         self.engine.try_take_imm_count(imm, count)
     }
 
+    /// Whether GPU regions are registered with the NIC (FI_HMEM provider, gpu_network on).
+    #[getter]
+    fn gpu_network(&self) -> bool {
+        self.engine.gpu_network()
+    }
+
     /// Messages refused for exceeding this engine's max_message_size.
     #[getter]
     fn refused_messages(&self) -> u64 {

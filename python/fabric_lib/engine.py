@@ -122,6 +122,12 @@ class TransferEngine:
             "transmit" (the source may be reused; only the receiver's immediate count says the
             bytes arrived) or "auto" (delivery on tcp and sockets, whose refusals are reported no
             other way, transmit elsewhere) ["auto"].
+        gpu_network: ask for FI_HMEM and register GPU memory with the NIC, so peers on other
+            hosts reach GPU regions directly. None: on RDMA providers (efa, verbs;ofi_rxm) only;
+            True: also on software providers that offer it (shm of a CUDA-enabled libfabric)
+            [None]. ``engine.gpu_network`` says whether it took effect.
+        force_network: carry same-host transfers that involve GPU memory over the provider, as
+            between two hosts, instead of CUDA IPC (tests and benchmarks) [False].
 
     Timeouts: a request not completed within ``transfer_timeout`` fails with
     ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
@@ -156,6 +162,8 @@ class TransferEngine:
         paged_copy_blocks: int | None = None,
         uvm_watcher_cpu: int | None = None,
         write_completion: Literal["auto", "delivery", "transmit"] | None = None,
+        gpu_network: bool | None = None,
+        force_network: bool | None = None,
     ) -> None:
         if isinstance(domain, str) or domain is None:
             domains = [] if domain is None else [domain]
@@ -179,6 +187,8 @@ class TransferEngine:
             "paged_copy_blocks": paged_copy_blocks,
             "uvm_watcher_cpu": uvm_watcher_cpu,
             "write_completion": write_completion,
+            "gpu_network": gpu_network,
+            "force_network": force_network,
         }
         native = _rust.TransferEngine(provider, domains, **{k: v for k, v in options.items() if v is not None})
         self._native = native
@@ -412,6 +422,11 @@ class TransferEngine:
         return self._native.readmit_peer(_as_address(peer))
 
     @property
+    def gpu_network(self) -> bool:
+        """Whether GPU regions of this engine are registered with the NIC (FI_HMEM)."""
+        return self._native.gpu_network
+
+    @property
     def refused_messages(self) -> int:
         """Messages refused for exceeding this engine's ``max_message_size`` (sent by peers that
         ignored the limit their address carries)."""
@@ -433,7 +448,7 @@ class TransferEngine:
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
         """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an
         immediate count set it (``set_imm_count_expected(..., flag=flag)``). Mapped pinned host
-        memory (no GDRCopy on these hosts)."""
+        memory (no GDRCopy needed)."""
         return self._native.alloc_gpu_flag(device)
 
     # -- immediates -------------------------------------------------------------------------

@@ -35,26 +35,22 @@ impl TransferEngine {
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
         let registered =
             self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: true, reply })?;
-        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind });
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind, network: true });
         let descriptor = MrDescriptor {
             base: ptr as u64,
             len: len as u64,
             kind,
             owner: self.address.clone(),
-            keys: registered
-                .iter()
-                .zip(&self.address.domains)
-                .map(|(&(key, remote_base), address)| DomainKey { address: address.clone(), key, remote_base })
-                .collect(),
+            keys: self.domain_keys(&registered),
             cuda: None,
         };
         Ok((MrHandle(region), descriptor))
     }
 
-    /// GPU memory: exported through a legacy CUDA IPC handle for same-host peers. The libfabric
-    /// providers opened here lack FI_HMEM, so it is not registered with the NIC (no DMA-BUF
-    /// registration is implemented: it cannot be tested on these hosts); network writes from or
-    /// to it fail with an error saying so (see [`TransferEngine::gpu_network_error`]).
+    /// GPU memory: exported through a legacy CUDA IPC handle for same-host peers and, where the
+    /// provider has FI_HMEM, registered with the NIC as well (the descriptor then carries keys
+    /// and the region is network-reachable). Without FI_HMEM the network cannot reach it: network
+    /// writes from or to it fail with [`TransferEngine::gpu_network_error`].
     fn register_cuda(&self, ptr: u64, len: usize, device: u32) -> Result<(MrHandle, MrDescriptor)> {
         match crate::gpu::detect_memory_kind(ptr) {
             MemoryKind::Cuda(d) if d == device => {}
@@ -85,14 +81,22 @@ impl TransferEngine {
         }
         let kind = MemoryKind::Cuda(device);
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
-        self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: false, reply })?;
-        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind });
+        let register =
+            |network| self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network, reply });
+        let keys = match self.hmem {
+            true => register(true).or_else(|e| {
+                tracing::info!("GPU memory at {ptr:#x} not registered with the NIC ({e}); same-host peers only");
+                register(false)
+            })?,
+            false => register(false)?,
+        };
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind, network: !keys.is_empty() });
         let descriptor = MrDescriptor {
             base: ptr,
             len: len as u64,
             kind,
             owner: self.address.clone(),
-            keys: Vec::new(),
+            keys: self.domain_keys(&keys),
             cuda: Some(CudaIpc {
                 handle: export.handle.0.to_vec(),
                 offset: export.offset,
@@ -100,6 +104,15 @@ impl TransferEngine {
             }),
         };
         Ok((MrHandle(region), descriptor))
+    }
+
+    /// A descriptor's per-domain keys from what the worker registered.
+    fn domain_keys(&self, registered: &[(u64, u64)]) -> Vec<DomainKey> {
+        registered
+            .iter()
+            .zip(&self.address.domains)
+            .map(|(&(key, remote_base), address)| DomainKey { address: address.clone(), key, remote_base })
+            .collect()
     }
 
     /// Information about a local registration.

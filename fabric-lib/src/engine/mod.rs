@@ -39,6 +39,8 @@ pub(crate) struct RegionInfo {
     pub len: u64,
     pub ptr: u64,
     pub kind: MemoryKind,
+    /// Registered with the NIC (host memory always; GPU memory on FI_HMEM providers).
+    pub network: bool,
 }
 
 /// Moves memory to and from peers; see the crate docs.
@@ -63,6 +65,8 @@ pub struct TransferEngine {
     watchers: Watchers,
     stopped: AtomicBool,
     stats: Arc<[worker::DomainCounters]>,
+    /// Every domain moves GPU memory itself (FI_HMEM): GPU regions are registered with the NIC.
+    hmem: bool,
 }
 
 impl TransferEngine {
@@ -115,6 +119,7 @@ impl TransferEngine {
             watchers: Watchers::new(),
             stopped: AtomicBool::new(false),
             stats: info.stats.clone(),
+            hmem: info.hmem,
         })
     }
 
@@ -146,6 +151,12 @@ impl TransferEngine {
     /// peers). Such messages are never delivered, whole or cut.
     pub fn refused_messages(&self) -> u64 {
         self.oversized_messages.load(Ordering::Relaxed)
+    }
+
+    /// Whether GPU regions of this engine are registered with the NIC (the provider has
+    /// FI_HMEM and `gpu_network` is on), so peers on other hosts reach them directly.
+    pub fn gpu_network(&self) -> bool {
+        self.hmem
     }
 
     /// Number of domains of this engine's device.

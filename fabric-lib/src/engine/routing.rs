@@ -54,16 +54,14 @@ impl TransferEngine {
     }
 
     /// Picks the path: same-host CUDA when either side is GPU memory and the owner shares this
-    /// host (another process or this one), the network otherwise (host memory only).
+    /// host (another process or this one) unless `force_network` is set; the network otherwise,
+    /// which needs GPU memory on either side registered with the NIC (FI_HMEM).
     pub(super) fn route(&self, src: MrHandle, dst: &MrDescriptor) -> Result<Route> {
-        let src_kind = self.region_info(src)?.kind;
-        let gpu = src_kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
-        if !gpu {
-            return self.region_target(dst).map(Route::Network);
-        }
-        if !dst.owner.is_same_host() {
-            if src_kind != MemoryKind::Host {
-                return Err(self.gpu_network_error("source", src_kind));
+        let src = self.region_info(src)?;
+        let gpu = src.kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
+        if !gpu || !dst.owner.is_same_host() || self.config.force_network {
+            if !src.network {
+                return Err(self.gpu_network_error("source", src.kind));
             }
             if !dst.network_reachable() {
                 return Err(self.gpu_network_error("destination", dst.kind));
@@ -82,14 +80,14 @@ impl TransferEngine {
         }))
     }
 
-    /// The error for a network transfer that involves GPU memory.
+    /// The error for a network transfer that involves GPU memory the NIC cannot reach.
     pub(crate) fn gpu_network_error(&self, side: &str, kind: MemoryKind) -> FabricError {
         FabricError::ProviderUnavailable(format!(
-            "the {side} is GPU memory ({kind:?}) on a peer on another host: provider '{}' was opened without \
-             FI_HMEM, so GPU regions are registered for same-host (CUDA IPC) transfers only and are never \
-             copied through host memory behind your back. Remedy: stage through a registered host buffer, or \
-             use a provider with FI_HMEM (efa, or verbs;ofi_rxm with a CUDA-enabled libfabric) once DMA-BUF \
-             registration is implemented (it is not: it cannot be tested on these hosts)",
+            "the {side} is GPU memory ({kind:?}) not registered with the NIC, and the transfer takes the \
+             network (a peer on another host, or force_network): provider '{}' has no FI_HMEM here (or \
+             gpu_network is off), so GPU regions serve same-host (CUDA IPC) peers only and are never copied \
+             through host memory behind your back. Remedy: stage through a registered host buffer, or use a \
+             provider with FI_HMEM: efa, or shm / verbs;ofi_rxm of a CUDA-enabled libfabric (docs/gpu.md)",
             self.address.provider
         ))
     }

@@ -92,9 +92,10 @@ fn check(call: &'static str, ret: i32) -> Result<()> {
 }
 
 impl LibfabricDomain {
-    /// Opens the domain named by `spec` and enables one endpoint on it.
-    pub fn open(spec: &DomainSpec) -> Result<Self> {
-        let mut info = resolve(spec)?;
+    /// Opens the domain named by `spec` and enables one endpoint on it; `hmem` asks for
+    /// device-memory support (FI_HMEM) where the provider offers it (`None`: RDMA providers only).
+    pub fn open(spec: &DomainSpec, hmem: Option<bool>) -> Result<Self> {
+        let mut info = resolve(spec, hmem)?;
         info.set_unique_shm_name();
         let mut fids = DomainFids {
             fabric: ptr::null_mut(),
@@ -157,6 +158,11 @@ impl LibfabricDomain {
         self.info.domain_name()
     }
 
+    /// Whether this domain registers and moves CUDA memory itself (FI_HMEM).
+    pub fn has_hmem(&self) -> bool {
+        self.info.has_hmem()
+    }
+
     /// Whether receives are consumed by remote writes carrying CQ data (FI_RX_CQ_DATA mode).
     pub fn imm_consumes_recv(&self) -> bool {
         self.info.mode() & sys::FI_RX_CQ_DATA != 0
@@ -173,13 +179,29 @@ impl LibfabricDomain {
     /// another region), and a descriptor kept across a restart or sent to the wrong engine
     /// matches nothing.
     pub fn register(&mut self, ptr: *mut u8, len: usize, access: Access) -> Result<LocalMr> {
+        self.register_on(ptr, len, access, None)
+    }
+
+    /// Registers CUDA memory of `device` (FI_HMEM domains only): the provider moves it without
+    /// staging through host memory.
+    pub fn register_cuda(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+        if !self.has_hmem() {
+            return Err(FabricError::ProviderUnavailable(format!(
+                "provider '{}' was opened without FI_HMEM: it cannot register GPU memory",
+                self.provider_name()
+            )));
+        }
+        self.register_on(ptr, len, Access::RemoteWrite, Some(device))
+    }
+
+    fn register_on(&mut self, ptr: *mut u8, len: usize, access: Access, cuda: Option<u32>) -> Result<LocalMr> {
         let mr_mode = self.info.mr_mode();
         let provider_keys = mr_mode & sys::FI_MR_PROV_KEY as u64 != 0;
         let key_bytes = self.info.mr_key_size().clamp(1, 8);
         let mut last = None;
         for _ in 0..4 {
             let key = if provider_keys { 0 } else { random_key(key_bytes)? };
-            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode) {
+            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode, cuda) {
                 Err(FabricError::Libfabric { code, .. }) if code == sys::FI_ENOKEY as i32 && !provider_keys => {
                     last = Some(code); // that random key is taken: draw another
                 }

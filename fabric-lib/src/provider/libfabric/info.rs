@@ -113,6 +113,11 @@ impl FabricInfo {
         }
     }
 
+    /// Whether the endpoint registers and moves device memory (FI_HMEM).
+    pub fn has_hmem(&self) -> bool {
+        self.get().caps & sys::FI_HMEM != 0
+    }
+
     /// Bytes of a memory key (keys we choose must fit).
     pub fn mr_key_size(&self) -> usize {
         // SAFETY: domain_attr is set in every fi_info that fi_getinfo returns.
@@ -177,7 +182,7 @@ const API_VERSION: u32 = sys::fi_version(1, 17);
 
 /// Runs `fi_getinfo` for RDM endpoints with RMA + MSG + remote CQ data, optionally for one
 /// provider; returns every match as (provider, domain, info).
-fn query(provider: Option<&str>) -> Result<Vec<FabricInfo>> {
+fn query(provider: Option<&str>, hmem: bool) -> Result<Vec<FabricInfo>> {
     // SAFETY: fi_allocinfo returns a zeroed fi_info with allocated sub-attributes (or null).
     let hints = unsafe { sys::shim_fi_allocinfo() };
     if hints.is_null() {
@@ -189,6 +194,9 @@ fn query(provider: Option<&str>) -> Result<Vec<FabricInfo>> {
     let ret = unsafe {
         let h = &mut *hints;
         h.caps = (sys::FI_MSG | sys::FI_RMA) as u64;
+        if hmem {
+            h.caps |= sys::FI_HMEM;
+        }
         h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2 | sys::FI_RX_CQ_DATA;
         (*h.ep_attr).type_ = sys::FI_EP_RDM;
         let d = &mut *h.domain_attr;
@@ -196,7 +204,8 @@ fn query(provider: Option<&str>) -> Result<Vec<FabricInfo>> {
             | sys::FI_MR_VIRT_ADDR
             | sys::FI_MR_ALLOCATED
             | sys::FI_MR_PROV_KEY
-            | sys::FI_MR_ENDPOINT) as i32;
+            | sys::FI_MR_ENDPOINT
+            | sys::FI_MR_HMEM) as i32;
         d.threading = sys::FI_THREAD_DOMAIN;
         if let Some(name) = provider {
             let c = CString::new(name).map_err(|_| FabricError::InvalidArgument("provider name has a NUL".into()))?;
@@ -245,7 +254,7 @@ unsafe fn libc_strdup(s: &CString) -> *mut std::os::raw::c_char {
 /// Lists the (provider, domain) pairs usable by an engine on this machine.
 pub fn list_providers() -> Vec<(String, String)> {
     let mut seen = std::collections::BTreeSet::new();
-    query(None)
+    query(None, false)
         .unwrap_or_default()
         .iter()
         .map(|i| (i.provider_name(), i.domain_name()))
@@ -259,11 +268,11 @@ pub fn is_software(provider: &str) -> bool {
 }
 
 /// Resolves a [`ProviderSpec`] to exactly one `fi_info`.
-pub fn resolve(spec: &DomainSpec) -> Result<FabricInfo> {
+pub fn resolve(spec: &DomainSpec, hmem: Option<bool>) -> Result<FabricInfo> {
     let provider = match &spec.provider {
         Some(p) => p.clone(),
         None => {
-            let found = query(None)?;
+            let found = query(None, false)?;
             HARDWARE_PROVIDERS
                 .iter()
                 .find(|hw| found.iter().any(|i| i.provider_name() == **hw))
@@ -271,7 +280,10 @@ pub fn resolve(spec: &DomainSpec) -> Result<FabricInfo> {
                 .unwrap_or_else(|| "tcp".to_string())
         }
     };
-    let candidates = query(Some(&provider))?;
+    // Device memory (FI_HMEM) where the provider offers it, else plain host memory.
+    let hmem = hmem.unwrap_or_else(|| HARDWARE_PROVIDERS.contains(&provider.as_str()));
+    let with_hmem = if hmem { query(Some(&provider), true)? } else { Vec::new() };
+    let candidates = if with_hmem.is_empty() { query(Some(&provider), false)? } else { with_hmem };
     if candidates.is_empty() {
         let available: Vec<String> = list_providers()
             .into_iter()

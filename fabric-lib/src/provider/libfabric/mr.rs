@@ -40,7 +40,8 @@ pub struct LocalMr {
 
 impl LocalMr {
     /// Registers `[ptr, ptr+len)` with `access`, asking for `requested_key` (ignored by
-    /// providers that pick keys themselves, FI_MR_PROV_KEY).
+    /// providers that pick keys themselves, FI_MR_PROV_KEY). `cuda`: the memory is CUDA memory
+    /// of that device (registered with `iface = FI_HMEM_CUDA`).
     pub(super) fn register(
         fids: &Rc<DomainFids>,
         ptr: *mut u8,
@@ -48,26 +49,21 @@ impl LocalMr {
         access: Access,
         requested_key: u64,
         mr_mode: u64,
+        cuda: Option<u32>,
     ) -> Result<Self> {
-        let access = access.flags();
+        let iov = sys::iovec { iov_base: ptr as *mut std::ffi::c_void, iov_len: len };
+        let mut attr =
+            sys::fi_mr_attr { mr_iov: &iov, iov_count: 1, access: access.flags(), requested_key, ..Default::default() };
+        if let Some(device) = cuda {
+            attr.iface = sys::FI_HMEM_CUDA;
+            attr.device.cuda = device as std::os::raw::c_int;
+        }
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
-        // SAFETY: domain is open; the caller guarantees ptr/len describe memory that stays valid
-        // while registered.
-        let ret = unsafe {
-            sys::shim_fi_mr_reg(
-                fids.domain,
-                ptr as *const _,
-                len,
-                access,
-                0,
-                requested_key,
-                0,
-                &mut mr,
-                ptr::null_mut(),
-            )
-        };
+        // SAFETY: domain is open; `attr` and the iovec it points to live across the call; the
+        // caller guarantees ptr/len describe memory that stays valid while registered.
+        let ret = unsafe { sys::shim_fi_mr_regattr(fids.domain, &attr, 0, &mut mr) };
         if ret != 0 {
-            return Err(libfabric_error("fi_mr_reg", ret.into()));
+            return Err(libfabric_error("fi_mr_regattr", ret.into()));
         }
         let mut this = LocalMr { mr, desc: ptr::null_mut(), key: 0, remote_base: 0, _domain: fids.clone() };
         if mr_mode & sys::FI_MR_ENDPOINT as u64 != 0 {
