@@ -1,0 +1,74 @@
+"""Engines do not survive ``fork``: the child gets a copy of the engine's memory but none of its
+threads (worker, callback thread) and shares the parent's provider state. Using an inherited
+engine would queue work that never completes, so it raises ``EngineStoppedError`` naming fork.
+
+Each process has a fork generation, bumped in the child after every fork; an engine remembers
+the generation it was created in. The child also keeps inherited native engines alive for good:
+dropping one would try to join threads that do not exist in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Generic, TypeVar, overload
+
+from .errors import EngineStoppedError
+
+_generation = 0
+_live: weakref.WeakSet[Any] = weakref.WeakSet()  # owners of guarded native objects
+_orphans: list[Any] = []  # native objects inherited from the parent: never dropped in the child
+
+
+def generation() -> int:
+    """The fork generation of this process (0 in a process that was not forked from one using
+    fabric_lib)."""
+    return _generation
+
+
+def _after_fork_in_child() -> None:
+    global _generation
+    _generation += 1
+    for owner in list(_live):
+        _orphans.append(owner.__dict__.get("_fork_guarded"))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check(created_in: int, creator_pid: int, what: str = "engine") -> None:
+    """Raises EngineStoppedError if the object was created before a fork into this process."""
+    if created_in != _generation:
+        raise EngineStoppedError(
+            f"this {what} was created in process {creator_pid} and this process ({os.getpid()}) is a "
+            "child forked from it: its worker threads do not survive fork. Create the engine in the "
+            "child, or start children with multiprocessing's 'spawn' or 'forkserver' method."
+        )
+
+
+T = TypeVar("T")
+
+
+class ForkGuarded(Generic[T]):
+    """A data descriptor holding an object's native engine, refused in a forked child."""
+
+    def __set__(self, owner: Any, native: T) -> None:
+        owner.__dict__["_fork_guarded"] = (native, _generation, os.getpid())
+        _live.add(owner)
+
+    @overload
+    def __get__(self, owner: None, owner_type: type | None = None) -> ForkGuarded[T]: ...
+    @overload
+    def __get__(self, owner: object, owner_type: type | None = None) -> T: ...
+    def __get__(self, owner: object, owner_type: type | None = None) -> T | ForkGuarded[T]:
+        if owner is None:
+            return self
+        native, created_in, creator_pid = owner.__dict__["_fork_guarded"]
+        check(created_in, creator_pid)
+        return native
+
+
+def inherited(owner: Any) -> bool:
+    """True if ``owner``'s native engine was created before a fork into this process."""
+    entry = owner.__dict__.get("_fork_guarded")
+    return entry is not None and entry[1] != _generation
