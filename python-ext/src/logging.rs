@@ -32,17 +32,3 @@ fn max_level(setting: Option<&str>) -> LevelFilter {
         .max()
         .unwrap_or(LevelFilter::Warn)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn level_from_setting() {
-        assert_eq!(max_level(None), LevelFilter::Warn);
-        assert_eq!(max_level(Some("debug")), LevelFilter::Debug);
-        assert_eq!(max_level(Some("fabric_lib=trace,warn")), LevelFilter::Trace);
-        assert_eq!(max_level(Some("OFF")), LevelFilter::Off);
-        assert_eq!(max_level(Some("nonsense")), LevelFilter::Warn);
-    }
-}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 from .errors import EngineStoppedError
 
@@ -65,7 +65,7 @@ class ForkGuarded(Generic[T]):
             return self
         native, created_in, creator_pid = owner.__dict__["_fork_guarded"]
         check(created_in, creator_pid)
-        return native
+        return cast(T, native)
 
 
 def inherited(owner: Any) -> bool:

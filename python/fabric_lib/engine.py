@@ -9,6 +9,7 @@ operations are ordered with respect to each other. Every ``submit_*`` returns a
 from __future__ import annotations
 
 import array
+import ctypes
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Literal, Sequence, overload
@@ -261,6 +262,25 @@ class TransferEngine:
             )
         length = tensor.numel() * tensor.element_size()
         return self._register(tensor.data_ptr(), length, tensor, device)
+
+    def register_buffer(self, buffer: Any) -> MemoryRegion:
+        """Registers host memory of any writable, contiguous Python buffer (``bytearray``,
+        ``mmap``, a numpy array, ...); no torch needed. The region keeps the buffer alive, and the
+        buffer cannot be resized while registered."""
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"expected a writable buffer (bytearray, mmap, numpy array), not {_kind_of(buffer)}"
+            ) from None
+        if view.readonly:
+            raise InvalidArgumentError("the buffer is read-only (bytes are immutable: use a bytearray)")
+        if not view.c_contiguous:
+            raise InvalidArgumentError("the buffer must be C-contiguous")
+        if view.nbytes == 0:
+            raise InvalidArgumentError("the buffer is empty")
+        window = (ctypes.c_char * view.nbytes).from_buffer(view)  # pins the buffer's memory
+        return self._register(ctypes.addressof(window), view.nbytes, (buffer, window), -1)
 
     def register_memory(
         self, ptr: int, length: int, owner: Any = None, *, device: int | None = None
@@ -595,7 +615,7 @@ class TransferEngine:
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
         """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an
         immediate count set it (``set_imm_count_expected(..., flag=flag)``). Mapped pinned host
-        memory (no GDRCopy on these hosts)."""
+        memory (GDRCopy is not used)."""
         return self._native.alloc_gpu_flag(device)
 
     # -- immediates -------------------------------------------------------------------------

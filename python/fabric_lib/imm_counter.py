@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import _fork
 from ._futures import guarded
 from .errors import FabricError, FabricTimeoutError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from ._rust import TransferEngine as NativeEngine
 
 
 def _resolve(reached: asyncio.Future[None]) -> None:
@@ -24,7 +27,7 @@ class ImmCounter:
     immediate callback is installed. ``wait`` and ``wait_async`` consume what they waited for.
     """
 
-    def __init__(self, native: Any, imm: int) -> None:
+    def __init__(self, native: NativeEngine, imm: int) -> None:
         if not 0 <= imm < 2**32:
             raise InvalidArgumentError(f"imm must fit in 32 bits, got {imm}")
         self._native_engine = native
@@ -35,7 +38,7 @@ class ImmCounter:
         native.claim_imm(imm)
 
     @property
-    def _native(self) -> Any:
+    def _native(self) -> NativeEngine:
         _fork.check(self._created_in, self._creator_pid, "counter's engine")
         return self._native_engine
 
@@ -86,7 +89,7 @@ class ImmCounter:
             self._remove_expectation(native, fired)
             raise
 
-    def _remove_expectation(self, native: Any, fired: threading.Event) -> None:
+    def _remove_expectation(self, native: NativeEngine, fired: threading.Event) -> None:
         if fired.is_set():
             return
         try:
