@@ -294,7 +294,7 @@ class AllToAll:
         indices: torch.Tensor | None,
         scales: torch.Tensor | None,
         num_tokens: torch.Tensor | None,
-    ) -> _rust.DispatchSendArgs:
+    ) -> _rust._DispatchSendArgs:
         """Checks the send half's inputs; returns the native send half's arguments."""
         if x is None or indices is None:
             raise _fail("dispatch's send half needs x and indices")
