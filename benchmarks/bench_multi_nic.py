@@ -41,8 +41,6 @@ PREFIX = "flbench"
 IMM_BASE = 50_000
 
 
-
-
 # -- worker (one per test-bed host) ------------------------------------------------------------
 
 
@@ -291,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(a)
         return 0
     from fabric_lib.testbed import netns as tb
+
     ok, why = tb.available()
     if not ok:
         print(f"bench_multi_nic: the netns test bed is unavailable here: {why}", file=sys.stderr)

@@ -84,13 +84,24 @@ def bench_single(w, r, src_dev: int, dst_dev: int, sizes: list[int], budget: int
         rs, rd = w.register_tensor(src), r.register_tensor(dst)
         torch.cuda.synchronize()
         iters = max(5, min(200, budget // size))
-        elapsed = _run_requests(r, 11, iters, lambda rs=rs, rd=rd, size=size: w.submit_write(rs, rd.descriptor, size, imm=11))
+        elapsed = _run_requests(
+            r, 11, iters, lambda rs=rs, rd=rd, size=size: w.submit_write(rs, rd.descriptor, size, imm=11)
+        )
         fab = size * iters / elapsed / 1e9
         torch.cuda.synchronize()
         assert torch.equal(dst[-4096:].cpu(), src[-4096:].cpu())
         base = _peer_copy_gbps(dst, src, iters)
-        rows.append({"kind": "single", "bytes": size, "iters": iters, "fabric_gbps": fab, "peer_copy_gbps": base,
-                     "ratio": fab / base, "target": 0.85})
+        rows.append(
+            {
+                "kind": "single",
+                "bytes": size,
+                "iters": iters,
+                "fabric_gbps": fab,
+                "peer_copy_gbps": base,
+                "ratio": fab / base,
+                "target": 0.85,
+            }
+        )
         w.unregister_memory(rs)
         r.unregister_memory(rd)
         del src, dst
@@ -115,7 +126,9 @@ def bench_paged(w, r, src_dev: int, dst_dev: int, page_lens: list[int], pages: i
             fabric_lib.engine._page_list(sp)
         page_list_us = (time.perf_counter() - submit_t0) / 20 * 1e6
         elapsed = _run_requests(
-            r, 12, iters,
+            r,
+            12,
+            iters,
             lambda page_len=page_len, rs=rs, sp=sp, rd=rd, dp=dp: w.submit_paged_writes(
                 page_len, rs, sp, rd.descriptor, dp, imm=12
             ),
@@ -126,9 +139,21 @@ def bench_paged(w, r, src_dev: int, dst_dev: int, page_lens: list[int], pages: i
         assert torch.equal(got, src.view(pages, page_len)[sp[0]].cpu())
         base = _peer_copy_gbps(dst, src, iters)
         target = 0.70 if page_len >= 64 * 1024 else 0.60
-        rows.append({"kind": "paged", "page_bytes": page_len, "pages": pages, "iters": iters, "fabric_gbps": fab,
-                     "peer_copy_gbps": base, "ratio": fab / base, "target": target, "blocks": 16,
-                     "us_per_request": elapsed / iters * 1e6, "page_list_conversion_us": page_list_us})
+        rows.append(
+            {
+                "kind": "paged",
+                "page_bytes": page_len,
+                "pages": pages,
+                "iters": iters,
+                "fabric_gbps": fab,
+                "peer_copy_gbps": base,
+                "ratio": fab / base,
+                "target": target,
+                "blocks": 16,
+                "us_per_request": elapsed / iters * 1e6,
+                "page_list_conversion_us": page_list_us,
+            }
+        )
         w.unregister_memory(rs)
         r.unregister_memory(rd)
         del src, dst
@@ -243,8 +268,10 @@ def main() -> None:
         else:
             continue
         ok = "ok" if row["ratio"] >= row["target"] else "MISS"
-        print(f"{name:<22}{row['fabric_gbps']:>12.1f}{row['peer_copy_gbps']:>11.1f}{row['ratio']:>8.2f}"
-              f"{row['target']:>7.2f} {ok}")
+        print(
+            f"{name:<22}{row['fabric_gbps']:>12.1f}{row['peer_copy_gbps']:>11.1f}{row['ratio']:>8.2f}"
+            f"{row['target']:>7.2f} {ok}"
+        )
     wrow = results["rows"][-1]
     print(
         f"UVM watcher (Python callback): CPU flag -> GPU -> watcher -> callback round trip p50 "

@@ -13,8 +13,7 @@ const LEVEL_VAR: &str = "FABRIC_LIB_LOG";
 /// Installs the bridge once per process; a second call (or another bridge) is left alone.
 pub fn route_to_python(py: Python<'_>) {
     let level = max_level(std::env::var(LEVEL_VAR).ok().as_deref());
-    let logger = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels)
-        .map(|logger| logger.filter(level));
+    let logger = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels).map(|logger| logger.filter(level));
     if let Ok(logger) = logger {
         if logger.install().is_ok() {
             log::set_max_level(level);
