@@ -30,7 +30,6 @@ import argparse
 import datetime
 import functools
 import itertools
-import json
 import os
 import sys
 import time
@@ -39,6 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.report import write_result
 
 SLEEP_CYCLES = 600_000  # ~300 us at 1.98 GHz: the host enqueues one iteration meanwhile
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
@@ -347,7 +348,6 @@ def worker(local_rank: int, args: argparse.Namespace, world: int) -> None:
                 )
     if rank == 0:
         report = {
-            "benchmark": "bench_all_to_all",
             "device": torch.cuda.get_device_name(),
             "world_size": world,
             "nets_per_gpu": args.nets_per_gpu,
@@ -355,9 +355,7 @@ def worker(local_rank: int, args: argparse.Namespace, world: int) -> None:
             "results": results,
         }
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}")
+        write_result(out, "bench_all_to_all", None, vars(args), report)  # the shared result format
         plot(report, out.with_suffix(".png"))
     dist.barrier()
     dist.destroy_process_group()

@@ -88,7 +88,9 @@ def run_header(benchmark: str, provider: str | None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "load_average": list(os.getloadavg()),
         "python": platform.python_version(),
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "time": datetime.datetime.now(datetime.timezone.utc)
+        .isoformat(timespec="seconds")
+        .replace("+00:00", "Z"),
     }
 
 
@@ -177,6 +179,12 @@ def load(path: Path) -> dict[str, Any]:
     if not isinstance(document, dict) or document.get("header", {}).get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a fabric-lib benchmark result ({SCHEMA})")
     if "results" not in document:  # a `fabric-debug client --json` report: header + measurements
-        series = [{"size": t["size"], "gbytes_per_s": t["gbytes_per_s"]} for t in document.get("throughput", [])]
-        document = {"header": document["header"], "config": {}, "results": {"throughput": {"fabric-lib": series}, "report": document}}
+        series = [
+            {"size": t["size"], "gbytes_per_s": t["gbytes_per_s"]} for t in document.get("throughput", [])
+        ]
+        document = {
+            "header": document["header"],
+            "config": {},
+            "results": {"throughput": {"fabric-lib": series}, "report": document},
+        }
     return document
