@@ -167,7 +167,8 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         verify("throughput", IMM_THROUGHPUT, posted, &mut report)?;
     }
     if args.tests.contains(&Test::Paged) {
-        let (results, posted) = target.paged_sweep(&args.page_sizes, &args.page_counts, args.reps, IMM_PAGED, &mut progress)?;
+        let (results, posted) =
+            target.paged_sweep(&args.page_sizes, &args.page_counts, args.reps, IMM_PAGED, &mut progress)?;
         report.paged = results;
         verify("paged", IMM_PAGED, posted, &mut report)?;
     }
