@@ -72,3 +72,20 @@ def test_readme_example_runs(tmp_path: Path) -> None:
         path.write_text(block)
         out = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, f"README block {i}:\n{block}\n{out.stderr}"
+
+
+# Words about the project's own working environment, which mean nothing to a user of a clone.
+INTERNAL = re.compile(r"these hosts|carry it|\$OUT\b|\.\./shared|REFERENCE\.md|our (GPU )?(machines|hosts)", re.I)
+PUBLIC_TEXT = ["README.md", "docs", "examples", "python", "scripts", "benchmarks", "pyproject.toml", "python-ext"]
+
+
+def test_public_text_does_not_speak_of_internal_context() -> None:
+    hits = []
+    for entry in PUBLIC_TEXT:
+        root = REPO / entry
+        for path in [root] if root.is_file() else sorted(root.rglob("*")):
+            if path.is_file() and path.suffix in {".md", ".py", ".pyi", ".sh", ".rs", ".toml", ".txt"}:
+                for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                    if INTERNAL.search(line):
+                        hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert hits == [], "\n".join(hits)
