@@ -55,7 +55,7 @@ class MemoryRegion:
 
     @property
     def kind(self) -> str:
-        """ "host" or "cuda:N"."""
+        """The memory kind: "host" or "cuda:N"."""
         return self.descriptor.kind
 
 
