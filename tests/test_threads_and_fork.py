@@ -132,3 +132,33 @@ def test_fork_guard_is_per_process_generation() -> None:
 
     assert _in_forked_child(child) == 0
     assert _fork.generation() == before
+
+
+CHILD_EXITS_NORMALLY = """
+import os, sys
+import fabric_lib
+engine = fabric_lib.TransferEngine("tcp", poll_mode="adaptive")
+pid = os.fork()
+if pid == 0:
+    try:
+        engine.main_address
+    except fabric_lib.EngineStoppedError:
+        sys.exit(0)  # a normal interpreter shutdown in the child, with the inherited engine alive
+    sys.exit(3)
+_, status = os.waitpid(pid, 0)
+engine.stop()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_forked_child_shutdown_leaves_the_inherited_engine_alone() -> None:
+    """The child must not tear the parent's engine down at exit: that would wait for threads the
+    child does not have (the core logs "did not stop ... detaching it" after its stop timeout)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD_EXITS_NORMALLY], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "detaching" not in out.stderr and "did not stop" not in out.stderr, out.stderr

@@ -3,12 +3,14 @@ threads (worker, callback thread) and shares the parent's provider state. Using 
 engine would queue work that never completes, so it raises ``EngineStoppedError`` naming fork.
 
 Each process has a fork generation, bumped in the child after every fork; an engine remembers
-the generation it was created in. The child also keeps inherited native engines alive for good:
-dropping one would try to join threads that do not exist in the child.
+the generation it was created in. The child also keeps inherited native engines alive for good,
+even through interpreter shutdown: dropping one would wait for threads that do not exist in the
+child (and its teardown would act on provider state the parent still uses).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 from typing import Any, Generic, TypeVar, cast, overload
@@ -17,7 +19,6 @@ from .errors import EngineStoppedError
 
 _generation = 0
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # owners of guarded native objects
-_orphans: list[Any] = []  # native objects inherited from the parent: never dropped in the child
 
 
 def generation() -> int:
@@ -30,7 +31,10 @@ def _after_fork_in_child() -> None:
     global _generation
     _generation += 1
     for owner in list(_live):
-        _orphans.append(owner.__dict__.get("_fork_guarded"))
+        entry = owner.__dict__.get("_fork_guarded")
+        if entry is not None:
+            # One reference nobody releases: not even shutdown's clean-up may drop the native.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry[0]))
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
