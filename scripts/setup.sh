@@ -44,7 +44,7 @@ fi
 if [ -z "${PYTHON:-}" ] && ! "$PY" -c "import sys" >/dev/null 2>&1; then
     echo "setup: creating the virtual environment $FABRIC_LIB_VENV"
     mkdir -p "$(dirname "$FABRIC_LIB_VENV")"
-    python3 -m venv "$FABRIC_LIB_VENV"
+    python3 -m venv --clear "$FABRIC_LIB_VENV"
 fi
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
 
