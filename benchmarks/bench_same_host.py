@@ -34,7 +34,7 @@ import fabric_lib
 import fabric_lib.cuda as fcuda
 import torch
 
-from benchmarks.report import write_result
+from benchmarks.report import progress, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 60.0
@@ -257,9 +257,13 @@ def main() -> None:
         "rows": [],
     }
     try:
-        results["rows"] += bench_single(w, r, args.src, dst_dev, sizes, budget)
-        results["rows"] += bench_paged(w, r, args.src, dst_dev, [64 << 10, 16 << 10], pages, paged_iters)
-        results["rows"].append(bench_watcher(r, args.src, watch_iters))
+        phases = [
+            lambda: bench_single(w, r, args.src, dst_dev, sizes, budget),
+            lambda: bench_paged(w, r, args.src, dst_dev, [64 << 10, 16 << 10], pages, paged_iters),
+            lambda: [bench_watcher(r, args.src, watch_iters)],
+        ]
+        for phase in progress(phases, desc="bench_same_host (single, paged, watcher)"):
+            results["rows"] += phase()
     finally:
         w.stop()
         r.stop()
