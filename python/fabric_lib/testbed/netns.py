@@ -46,9 +46,21 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from ..errors import FabricError, InvalidArgumentError
+if TYPE_CHECKING or __package__:
+    from ..errors import FabricError, InvalidArgumentError
+else:  # loaded as a standalone file (see above): errors.py is plain Python, load it beside us
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "fabric_lib_errors", Path(__file__).parents[1] / "errors.py"
+    )
+    assert _spec is not None and _spec.loader is not None
+    _errors = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_errors)
+    FabricError, InvalidArgumentError = _errors.FabricError, _errors.InvalidArgumentError
 
 __all__ = [
     "ADDRESS_RANGE",
