@@ -101,3 +101,17 @@ def test_wait_async_rejects_bad_arguments(pair) -> None:
                 await counter.wait_async(-1, timeout=1)
 
     asyncio.run(scenario())
+
+
+def test_wait_async_on_a_stopped_engine_says_so() -> None:
+    engine = fabric_lib.TransferEngine("tcp", poll_mode="adaptive")
+
+    async def scenario() -> None:
+        counter = engine.imm_counter(26)
+        waiter = asyncio.create_task(counter.wait_async(1, timeout=0.5))
+        await asyncio.sleep(0.05)
+        engine.stop()
+        with pytest.raises(errors.EngineStoppedError, match="stopped"):
+            await waiter
+
+    asyncio.run(scenario())

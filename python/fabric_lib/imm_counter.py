@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from . import _fork
 from ._futures import guarded
-from .errors import FabricError, FabricTimeoutError, InvalidArgumentError
+from .errors import EngineStoppedError, FabricError, FabricTimeoutError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from ._rust import TransferEngine as NativeEngine
@@ -57,7 +57,8 @@ class ImmCounter:
     async def wait_async(self, count: int, timeout: float) -> None:
         """``await``-able ``wait``: no thread is blocked while waiting.
 
-        Raises FabricTimeoutError after ``timeout`` seconds. If the awaiting task is cancelled
+        Raises FabricTimeoutError after ``timeout`` seconds (EngineStoppedError if the engine was
+        stopped meanwhile: nothing can arrive after a stop). If the awaiting task is cancelled
         (or times out), the pending expectation is removed and nothing is consumed, unless the
         count was reached at that very moment (then the arrivals are consumed and the cancellation
         still propagates).
@@ -82,6 +83,10 @@ class ImmCounter:
             await asyncio.wait_for(reached, timeout)
         except TimeoutError:
             self._remove_expectation(native, fired)
+            if native.stopped:
+                raise EngineStoppedError(
+                    f"the engine stopped while waiting for immediate {self.imm}"
+                ) from None
             raise FabricTimeoutError(
                 f"immediate {self.imm}: {count} arrivals not reached within {timeout:g}s"
             ) from None
