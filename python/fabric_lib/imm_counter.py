@@ -83,6 +83,8 @@ class ImmCounter:
             await asyncio.wait_for(reached, timeout)
         except TimeoutError:
             self._remove_expectation(native, fired)
+            if fired.is_set():  # reached just as the time ran out: the arrivals were consumed
+                return
             if native.stopped:
                 raise EngineStoppedError(
                     f"the engine stopped while waiting for immediate {self.imm}"
