@@ -27,17 +27,18 @@ Only NVLink ranks of one host are implemented (``--nvlink``); ``--nets-per-gpu``
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fabric_lib.testing import gather, init_process_group, spawn_ranks, this_rank
 
 from benchmarks.report import write_result
 
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--init-method", default=None, help="torch.distributed init method (default: tcp on localhost)"
     )
     p.add_argument("--node-rank", type=int, default=0, help="this host's rank (only 0: one host)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for the whole run")
     p.add_argument(
         "--nvlink", action=argparse.BooleanOptionalAction, default=True, help="NVLink between ranks"
     )
@@ -306,24 +308,11 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     }
 
 
-def worker(local_rank: int, args: argparse.Namespace, world: int) -> None:
-    for k, v in {
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    }.items():
-        os.environ.setdefault(k, v)
-    rank = int(os.environ.get("RANK", local_rank))
-    local = int(os.environ.get("LOCAL_RANK", local_rank))
-    torch.cuda.set_device(local)
-    dist.init_process_group(
-        "nccl",
-        init_method=args.init_method or "env://",
-        rank=rank,
-        world_size=world,
-        device_id=torch.device("cuda", local),
-        timeout=datetime.timedelta(seconds=300),
-    )
+def worker(_state: None, args: argparse.Namespace) -> None:
+    """One rank (a launched one, or one of torchrun's): every configuration, rank 0 reports."""
+    me = this_rank()
+    init_process_group("nccl", timeout=300, info=replace(me, init_method=args.init_method or me.init_method))
+    rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for T in args.tokens:
         for dt in args.dispatch_dtype:
@@ -406,19 +395,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.node_rank != 0:
         sys.exit("one host only: --node-rank must be 0 until the RDMA path exists")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        worker(int(os.environ.get("LOCAL_RANK", "0")), args, int(os.environ["WORLD_SIZE"]))
+        worker(None, args)  # under torchrun: this process is one rank
         return
     gpus = torch.cuda.device_count()
     world = args.world_size or gpus
     if world < 1 or world > gpus:
         sys.exit(f"--world-size {world} needs that many GPUs on this host (found {gpus})")
-    if args.init_method is None:
-        from fabric_lib.distributed import rendezvous_port
-
-        args.init_method = f"tcp://127.0.0.1:{rendezvous_port()}"
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(args, world), nprocs=world, join=True)
+    with spawn_ranks(world, init_method=args.init_method, timeout=300) as ranks:
+        gather(ranks.submit_all(worker, args), timeout=args.timeout)
 
 
 if __name__ == "__main__":

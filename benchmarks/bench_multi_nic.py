@@ -4,8 +4,8 @@
         [--iters 3] [--rounds 2] [--batch 1000] [--poll-mode busy] [--pin-workers CPU ...]
         [--json-out bench-results/bench_multi_nic.json]
 
-Needs root (it builds a ``fabric_lib.testbed.TestBed`` of ``--hosts`` namespaces with K veth NICs
-each, for every K of ``--nics``). On every host one process opens ONE engine over all K NICs
+Needs root (it builds a ``fabric_lib.testing.netns.TestBed`` of ``--hosts`` namespaces with K veth
+NICs each, for every K of ``--nics``). On every host one rank opens ONE engine over all K NICs
 (``TransferEngine("tcp", ["nic0", ..])``) and bootstraps over gloo. Rank 0 sends ``--pages`` pages
 of ``--page-kib`` KiB per iteration with ``submit_paged_writes`` (random source pages, random
 distinct destination pages, ``--batch`` pages per request, one immediate per request) to the other
@@ -29,12 +29,12 @@ that every NIC carries its share.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.report import write_result
 
@@ -43,7 +43,7 @@ PREFIX = "flbench"
 IMM_BASE = 50_000
 
 
-# -- worker (one per test-bed host) ------------------------------------------------------------
+# -- one rank per test-bed host ----------------------------------------------------------------
 
 
 def _nic_counters(nics: list[str]) -> dict[str, dict[str, int]]:
@@ -54,24 +54,18 @@ def _nic_counters(nics: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def worker(a: argparse.Namespace) -> None:
-    from datetime import timedelta
-
+def worker(_state: None, a: argparse.Namespace) -> dict[str, Any] | None:
+    """One host's rank; rank 0 returns its timed iterations."""
     import fabric_lib
     import torch
     import torch.distributed as dist
     from fabric_lib.distributed import exchange
+    from fabric_lib.testing import init_process_group, netns
 
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nics = os.environ["FABRIC_LIB_TESTBED_NICS"].split(",")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ['FABRIC_LIB_TESTBED_BOOTSTRAP']}:{os.environ['MASTER_PORT']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
+    init_process_group("gloo", timeout=120)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nics = os.environ[netns.ENV_NICS].split(",")
     page = a.page_kib << 10
     pool = min(a.pool_pages, a.pages)
     cpu = None if a.pin_workers is None else a.pin_workers[rank % len(a.pin_workers)]
@@ -101,7 +95,7 @@ def worker(a: argparse.Namespace) -> None:
             imm = IMM_BASE + it
             counter = engine.imm_counter(imm) if rank != 0 else None
             dist.barrier()
-            rec: dict = {}
+            rec: dict[str, Any] = {}
             if rank == 0:
                 before = _nic_counters(nics)
                 rec["t_start"] = time.monotonic()
@@ -115,12 +109,13 @@ def worker(a: argparse.Namespace) -> None:
                 after = _nic_counters(nics)
                 rec["nics"] = {n: {k: after[n][k] - before[n][k] for k in before[n]} for n in nics}
             else:
+                assert counter is not None
                 counter.wait(expected[rank], timeout=120)
                 rec["t_done"] = time.monotonic()
                 time.sleep(0.01)
                 assert counter.value == 0, f"extra immediates: {counter.value}"
                 counter.close()
-            gathered: list = [None] * world
+            gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, rec)
             if rank == 0 and it > 0:
                 t_done = max(g["t_done"] for g in gathered[1:])
@@ -137,11 +132,8 @@ def worker(a: argparse.Namespace) -> None:
             assert bool((view == 1).all()), "destination pages do not hold the sender's bytes"
         dist.barrier()
         if rank == 0:
-            print(
-                "RESULT "
-                + json.dumps({"iterations": iterations, "requests": len(batches), "pool_pages": pool}),
-                flush=True,
-            )
+            return {"iterations": iterations, "requests": len(batches), "pool_pages": pool}
+        return None
     finally:
         engine.stop()
         dist.destroy_process_group()
@@ -150,48 +142,22 @@ def worker(a: argparse.Namespace) -> None:
 # -- driver ------------------------------------------------------------------------------------
 
 
-def run_once(tb, a: argparse.Namespace, k: int) -> dict:
-    """One test bed with ``k`` NICs per host, one worker per host; rank 0's timed iterations."""
-    argv = [
-        sys.executable,
-        "-m",
-        "benchmarks.bench_multi_nic",
-        "--worker",
-        "--page-kib",
-        str(a.page_kib),
-        "--pages",
-        str(a.pages),
-        "--batch",
-        str(a.batch),
-        "--iters",
-        str(a.iters),
-        "--pool-pages",
-        str(a.pool_pages),
-        "--poll-mode",
-        a.poll_mode,
-        "--seed",
-        str(a.seed),
-        *(["--pin-workers", *map(str, a.pin_workers)] if a.pin_workers else []),
-    ]
-    env = {
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-        "FI_TCP_IFACE": None,
-        "OMP_NUM_THREADS": "1",
-    }
-    with tb.TestBed(hosts=a.hosts, nics=k, prefix=PREFIX) as bed:
+def run_once(a: argparse.Namespace, k: int) -> dict[str, Any]:
+    """One test bed with ``k`` NICs per host, one rank per host; rank 0's timed iterations."""
+    from fabric_lib.testing import RankError, gather, host_ranks, netns
+
+    env = {"FI_TCP_IFACE": None, "OMP_NUM_THREADS": "1"}
+    with netns.TestBed(hosts=a.hosts, nics=k, prefix=PREFIX) as bed:
         before = [bed.nic_counters(h) for h in range(a.hosts)]
         try:
-            results = bed.run_all(argv, timeout=a.timeout, cwd=str(REPO), env=env)
-        except tb.RunError as e:
+            with host_ranks(bed, env=env, timeout=120) as ranks:
+                raw = gather(ranks.submit_all(worker, a), timeout=a.timeout)[0]
+        except RankError as e:
             raise SystemExit(f"bench_multi_nic: {k}-NIC run failed: {e}") from None
         after = [bed.nic_counters(h) for h in range(a.hosts)]
-    lines = [line for line in results[0].stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(f"bench_multi_nic: no result from rank 0:\n{results[0].stdout}\n{results[0].stderr}")
-    raw = json.loads(lines[0][len("RESULT ") :])
     # TestBed.nic_counters around the whole run (warm-up, gloo bootstrap and barriers included).
     raw["testbed_tx_bytes_host0"] = {n: after[0][n]["tx_bytes"] - before[0][n]["tx_bytes"] for n in after[0]}
-    return raw
+    return dict(raw)
 
 
 def summarise(a: argparse.Namespace, k: int, runs: list[dict]) -> dict:
@@ -289,14 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         default=str(REPO / "bench-results" / "bench_multi_nic.json"),
         help="result file (shared format of benchmarks/report.py)",
     )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.hosts < 2 or any(k < 1 for k in a.nics) or a.pages < 1 or a.batch < 1 or a.iters < 1 or a.rounds < 1:
         p.error("need --hosts >= 2 and positive --nics, --pages, --batch, --iters")
-    if a.worker:
-        worker(a)
-        return 0
-    from fabric_lib.testbed import netns as tb
+    from fabric_lib.testing import netns as tb
 
     ok, why = tb.available()
     if not ok:
@@ -308,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(a.rounds):  # interleaved, so a change in background load hits every K alike
         for k in a.nics:
             t = time.monotonic()
-            runs[k].append(run_once(tb, a, k))
+            runs[k].append(run_once(a, k))
             payload_bits = a.pages * (a.page_kib << 10) * 8
             gbps = [round(payload_bits / x["seconds"] / 1e9, 2) for x in runs[k][-1]["iterations"]]
             took = time.monotonic() - t
@@ -323,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         # Best iteration vs best iteration: less sensitive to other load on a shared machine.
         r["best_ratio_vs_1nic"] = round(r["payload_gbps_max"] / base["payload_gbps_max"], 3) if base else None
     print_table(rows, a)
-    config = {k: v for k, v in vars(a).items() if k not in ("worker", "json_out")}
+    config = {k: v for k, v in vars(a).items() if k != "json_out"}
     results = {
         "rows": rows,
         "platform": platform.platform(),

@@ -203,7 +203,7 @@ def bench_watcher(engine, device: int, iterations: int, chunk: int = 200) -> dic
                     t0 = time.perf_counter_ns()
                     flag.set(v)
                     with cv:
-                        if not cv.wait_for(lambda v=v: v in stamps, timeout=10):
+                        if not cv.wait_for(lambda: v in stamps, timeout=10):  # called before v changes
                             raise RuntimeError(f"watcher callback for {v} never came")
                         via_watcher.append((stamps.pop(v) - t0) / 1e3)
             assert stream.synchronize(30)

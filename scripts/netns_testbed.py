@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Multi-host test bed made of network namespaces (root only); see fabric_lib/testbed/netns.py.
+"""Multi-host test bed made of network namespaces (root only); see fabric_lib/testing/netns.py.
 
     python scripts/netns_testbed.py up --hosts 3 --nics 2      # create and leave up; prints names
     python scripts/netns_testbed.py status                     # list test-bed namespaces
@@ -24,12 +24,12 @@ from pathlib import Path
 
 def _load():
     """The module from this source tree when there (pure Python), else the installed package."""
-    path = Path(__file__).resolve().parents[1] / "python" / "fabric_lib" / "testbed" / "netns.py"
+    path = Path(__file__).resolve().parents[1] / "python" / "fabric_lib" / "testing" / "netns.py"
     if not path.exists():
-        from fabric_lib.testbed import netns
+        from fabric_lib.testing import netns
 
         return netns
-    spec = importlib.util.spec_from_file_location("fabric_lib_testbed_netns", path)
+    spec = importlib.util.spec_from_file_location("fabric_lib_testing_netns", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

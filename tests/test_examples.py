@@ -21,7 +21,9 @@ def test_there_are_examples() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(example: Path, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, f"{example.name} exited {out.returncode}\n{out.stdout}\n{out.stderr}"
 
 
@@ -47,7 +49,9 @@ def test_examples_and_readme_type_check(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)|`((?:docs|examples|scripts|benchmarks|tests|python|fabric-lib)/[^`\s]*)`")
+LINK = re.compile(
+    r"\]\(([^)#\s]+)(?:#[^)]*)?\)|`((?:docs|examples|scripts|benchmarks|tests|python|fabric-lib)/[^`\s]*)`"
+)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[str(p.relative_to(REPO)) for p in DOCS])
@@ -70,13 +74,26 @@ def test_readme_example_runs(tmp_path: Path) -> None:
     for i, block in enumerate(_readme_blocks()):
         path = tmp_path / f"readme_{i}.py"
         path.write_text(block)
-        out = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, f"README block {i}:\n{block}\n{out.stderr}"
 
 
 # Words about the project's own working environment, which mean nothing to a user of a clone.
-INTERNAL = re.compile(r"these hosts|carry it|\$OUT\b|\.\./shared|REFERENCE\.md|our (GPU )?(machines|hosts)", re.I)
-PUBLIC_TEXT = ["README.md", "docs", "examples", "python", "scripts", "benchmarks", "pyproject.toml", "python-ext"]
+INTERNAL = re.compile(
+    r"these hosts|carry it|\$OUT\b|\.\./shared|REFERENCE\.md|our (GPU )?(machines|hosts)", re.I
+)
+PUBLIC_TEXT = [
+    "README.md",
+    "docs",
+    "examples",
+    "python",
+    "scripts",
+    "benchmarks",
+    "pyproject.toml",
+    "python-ext",
+]
 
 
 def test_public_text_does_not_speak_of_internal_context() -> None:

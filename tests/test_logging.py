@@ -20,7 +20,9 @@ def _run(level: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "FABRIC_LIB_LOG"}
     if level is not None:
         env["FABRIC_LIB_LOG"] = level
-    return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_warnings_reach_python_logging_by_default() -> None:

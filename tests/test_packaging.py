@@ -42,7 +42,9 @@ def test_wheel_is_stripped_and_does_not_bundle_libfabric() -> None:
         sizes = {info.filename: info.file_size for info in zf.infolist()}
     extension = [name for name in sizes if name.startswith("fabric_lib/_rust") and name.endswith(".so")]
     assert len(extension) == 1, sizes
-    assert sizes[extension[0]] < MAX_EXTENSION_BYTES, f"{extension[0]} is {sizes[extension[0]]} bytes: not stripped?"
+    assert sizes[extension[0]] < MAX_EXTENSION_BYTES, (
+        f"{extension[0]} is {sizes[extension[0]]} bytes: not stripped?"
+    )
     assert "fabric_lib/_bin/fabric-debug" in sizes
     assert not [name for name in sizes if "libfabric" in name], "libfabric must stay a system dependency"
 

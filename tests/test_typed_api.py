@@ -31,9 +31,15 @@ def _builtin_raises(path: Path) -> list[str]:
     """`raise ValueError(...)`-style raises of built-in exception classes in one module."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+        if (
+            isinstance(node, ast.Raise)
+            and isinstance(node.exc, ast.Call)
+            and isinstance(node.exc.func, ast.Name)
+        ):
             name = node.exc.func.id
-            if isinstance(getattr(builtins, name, None), type) and issubclass(getattr(builtins, name), BaseException):
+            if isinstance(getattr(builtins, name, None), type) and issubclass(
+                getattr(builtins, name), BaseException
+            ):
                 if name not in ("SystemExit", "KeyboardInterrupt", "ImportError"):
                     found.append(f"{path.name}:{node.lineno}: raise {name}")
     return found
@@ -47,7 +53,7 @@ def test_package_raises_only_fabric_errors() -> None:
 def test_every_exported_error_is_a_fabric_error() -> None:
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.FabricError), name
-    from fabric_lib.testbed import TestBedError
+    from fabric_lib.testing.netns import TestBedError
     from fabric_lib.topology import UnknownDeviceError
 
     assert issubclass(TestBedError, errors.FabricError)
@@ -61,7 +67,7 @@ def test_former_builtin_errors_are_typed(pair) -> None:
     with pytest.raises(errors.InvalidArgumentError, match="no device 'cuda:99'"):
         fabric_lib.TransferEngine.detect_topology().device("cuda:99")
     with pytest.raises(errors.InvalidArgumentError, match="hosts must be"):
-        from fabric_lib.testbed import TestBed
+        from fabric_lib.testing.netns import TestBed
 
         TestBed(hosts=0)
 

@@ -30,6 +30,8 @@ pub struct EngineAddress {
     /// A random identifier of the owning process (pids repeat across containers), used to tell
     /// "this very process" apart: CUDA refuses to open IPC handles a process exported itself.
     pub process: u64,
+    /// Largest two-sided message this engine receives (senders check it before sending).
+    pub max_message_size: u64,
     /// One address per domain of the device, in domain order.
     pub domains: Vec<DomainAddress>,
 }
@@ -43,9 +45,7 @@ impl EngineAddress {
     /// Decodes bytes from [`EngineAddress::to_bytes`]; garbage is an `InvalidDescriptor` error.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let addr: EngineAddress = decode_versioned(ADDRESS_MAGIC, bytes, "engine address")?;
-        if addr.domains.is_empty() {
-            return Err(crate::FabricError::InvalidDescriptor("engine address has no domains".into()));
-        }
+        addr.validate()?;
         Ok(addr)
     }
 
@@ -63,6 +63,21 @@ impl EngineAddress {
 }
 
 impl EngineAddress {
+    /// Shape checks that need no provider: at least one domain, a non-empty endpoint each.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(crate::FabricError::InvalidDescriptor(format!("engine address: {m}")));
+        if self.domains.is_empty() {
+            return bad("no domains");
+        }
+        if self.domains.iter().any(|d| d.endpoint.is_empty()) {
+            return bad("a domain has an empty endpoint");
+        }
+        if self.max_message_size == 0 {
+            return bad("max_message_size is 0");
+        }
+        Ok(())
+    }
+
     /// Whether this engine runs on the same host as the caller's process.
     pub fn is_same_host(&self) -> bool {
         !self.host_id.is_empty() && self.host_id == local_host_id()

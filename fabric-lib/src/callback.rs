@@ -97,7 +97,7 @@ impl CallbackThread {
         if handle.thread().id() == std::thread::current().id() {
             return; // stop() called from inside a callback: the loop exits after this job
         }
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::config::deadline_after(timeout);
         while !handle.is_finished() {
             if std::time::Instant::now() >= deadline {
                 tracing::warn!("callback thread still busy after {timeout:?}; detaching it");

@@ -8,12 +8,25 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{FabricError, Result};
-use crate::worker::OnDone;
+
+/// Completion callback of one request.
+pub type OnDone = Box<dyn FnOnce(Result<()>) + Send + 'static>;
 
 /// Where a request's outcome goes.
 pub(crate) enum Notify {
     Callback(OnDone),
     Counter(Arc<CompletionCounter>),
+}
+
+impl Notify {
+    /// Reports `result` right here, on the calling thread (for requests failed outside the
+    /// worker loop, e.g. drained from the command queue after the worker exited).
+    pub fn now(self, result: Result<()>) {
+        match self {
+            Notify::Callback(cb) => cb(result),
+            Notify::Counter(counter) => counter.complete(result),
+        }
+    }
 }
 
 /// Counts finished requests (and failed ones, keeping the first error). Updated by the worker
@@ -71,7 +84,7 @@ impl CompletionCounter {
     /// Waits until at least `n` requests finished: spins (yielding) briefly, then sleeps until
     /// woken. Errors after `timeout`.
     pub fn wait_for(&self, n: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::config::deadline_after(timeout);
         let spin_until = Instant::now() + Duration::from_micros(50);
         while self.done() < n {
             if Instant::now() < spin_until {

@@ -80,9 +80,7 @@ impl MrDescriptor {
         if self.base.checked_add(self.len).is_none() {
             return Err(FabricError::InvalidDescriptor("memory descriptor extent overflows".into()));
         }
-        if self.owner.domains.is_empty() {
-            return Err(FabricError::InvalidDescriptor("memory descriptor's owner has no domains".into()));
-        }
+        self.owner.validate()?;
         let same_host_only = self.keys.is_empty() && self.cuda.is_some();
         if !same_host_only && self.keys.len() != self.owner.domains.len() {
             return Err(FabricError::InvalidDescriptor(format!(
@@ -149,6 +147,7 @@ mod tests {
             host_id: "boot".into(),
             pid: 42,
             process: 7,
+            max_message_size: 65536,
             domains: vec![
                 DomainAddress { endpoint: vec![1, 2, 3], imm_key: 9, imm_base: 0 },
                 DomainAddress { endpoint: vec![4, 5], imm_key: 10, imm_base: 0 },

@@ -3,7 +3,7 @@
 use crate::config::EngineConfig;
 use crate::error::Result;
 use crate::msg_buffers::MsgBuffers;
-use crate::provider::libfabric::{DomainSpec, LibfabricDomain, OpContext, OpKind, Posted};
+use crate::provider::libfabric::{Access, DomainSpec, LibfabricDomain, OpContext, OpKind, Posted};
 
 pub(crate) struct DomainState {
     pub scratch: MsgBuffers,
@@ -21,11 +21,14 @@ pub(crate) struct DomainState {
 impl DomainState {
     pub fn open(index: usize, spec: &DomainSpec, config: &EngineConfig) -> Result<Self> {
         let mut domain = LibfabricDomain::open(spec)?;
-        let scratch = MsgBuffers::new(&mut domain, 1, 64)?;
+        // The immediate slot: peers write zero bytes into it (the immediate is the point), and
+        // it is the source of this engine's zero-byte writes. Nothing ever reads it.
+        let scratch = MsgBuffers::new(&mut domain, 1, 64, Access::RemoteWrite)?;
         let sends = config.send_buffers.max(1);
-        let send_buffers = MsgBuffers::new(&mut domain, sends, config.max_message_size)?;
+        let send_buffers = MsgBuffers::new(&mut domain, sends, config.max_message_size, Access::MessagesOnly)?;
         let recvs = config.recv_buffers.max(1);
-        let recv_buffers = MsgBuffers::new(&mut domain, recvs, config.max_message_size)?;
+        // One spare byte per receive buffer: a message that fills it is longer than allowed.
+        let recv_buffers = MsgBuffers::new(&mut domain, recvs, config.max_message_size + 1, Access::MessagesOnly)?;
         let mut state = DomainState {
             scratch,
             send_buffers,

@@ -26,6 +26,11 @@ pub enum FabricError {
     /// A bounded wait ran out.
     #[error("timed out: {0}")]
     Timeout(String),
+    /// An earlier request to this peer timed out, so the peer is fenced: nothing more is sent
+    /// to it until [`crate::TransferEngine::readmit_peer`] (a timed-out request may or may not
+    /// have landed; resending blindly could count an immediate twice).
+    #[error("peer fenced: {0}")]
+    PeerFenced(String),
     /// The engine was stopped before or while the operation ran.
     #[error("engine stopped")]
     Stopped,
@@ -36,14 +41,6 @@ pub enum FabricError {
     /// A CUDA driver call failed (or CUDA refused an argument).
     #[error("CUDA error: {0}")]
     Cuda(String),
-}
-
-impl FabricError {
-    /// Builds a [`FabricError::Libfabric`] from a negative libfabric return code.
-    pub fn libfabric(call: &'static str, ret: i64) -> Self {
-        let code = ret.unsigned_abs() as i32;
-        FabricError::Libfabric { call, code, message: crate::provider::libfabric::strerror(code) }
-    }
 }
 
 impl From<cuda_lib::CudaError> for FabricError {

@@ -391,7 +391,7 @@ impl SignalStream {
 
     /// Waits (polling, bounded) until everything enqueued completed; false on timeout.
     pub fn wait(&self, timeout: Duration) -> Result<bool> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::config::deadline_after(timeout);
         loop {
             if self.stream.is_idle()? {
                 return Ok(true);

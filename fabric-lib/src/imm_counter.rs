@@ -16,7 +16,7 @@
 //! one lock acquisition, and callbacks are returned to the caller to run outside the lock.
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -149,7 +149,7 @@ impl ImmCounterTable {
 
     /// Blocks until `imm` has been counted `n` times, then consumes `n`. Errors after `timeout`.
     pub fn wait(&self, imm: u32, n: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::config::deadline_after(timeout);
         let mut inner = self.inner.lock();
         inner.slots.entry(imm).or_default().waiters += 1;
         let result = loop {
@@ -175,6 +175,19 @@ impl ImmCounterTable {
             slot.count -= n;
         }
         result
+    }
+
+    /// Consumes `n` arrivals of `imm` if they are there (one atomic check-and-take); false
+    /// leaves the count untouched.
+    pub fn try_take(&self, imm: u32, n: u64) -> bool {
+        let mut inner = self.inner.lock();
+        match inner.slots.get_mut(&imm) {
+            Some(slot) if slot.count >= n => {
+                slot.count -= n;
+                true
+            }
+            _ => n == 0,
+        }
     }
 
     /// Installs (or with `None` removes) the callback for unclaimed immediates.
@@ -221,6 +234,29 @@ mod tests {
         due.expect("already reached")();
         assert_eq!(hits.load(Ordering::SeqCst), 1);
         assert_eq!(t.value(7), 1);
+    }
+
+    #[test]
+    fn try_take_is_all_or_nothing_and_races_cleanly() {
+        let t = Arc::new(ImmCounterTable::new());
+        t.add_batch(&[(4, 3)]);
+        assert!(!t.try_take(4, 4));
+        assert_eq!(t.value(4), 3);
+        assert!(t.try_take(4, 2));
+        assert_eq!(t.value(4), 1);
+        // Many consumers taking one each: exactly as many succeed as there were arrivals.
+        t.add_batch(&[(4, 999)]);
+        let taken: usize = (0..8)
+            .map(|_| {
+                let t = t.clone();
+                std::thread::spawn(move || (0..200).filter(|_| t.try_take(4, 1)).count())
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .sum();
+        assert_eq!(taken, 1000);
+        assert_eq!(t.value(4), 0);
     }
 
     #[test]

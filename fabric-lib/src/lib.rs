@@ -10,6 +10,7 @@
 //! endpoints, threads) are released by [`TransferEngine::stop`] or on drop.
 pub mod address;
 pub mod callback;
+mod commands;
 pub mod completion;
 pub mod config;
 pub mod descriptor;
@@ -18,17 +19,20 @@ mod encoding;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+mod host_memory;
 pub mod imm_counter;
 mod msg_buffers;
 pub mod provider;
+mod requests;
 pub mod sharding;
 pub mod topology;
-mod transfers;
 mod worker;
 
 pub use address::{DomainAddress, EngineAddress};
+pub use commands::RecvCallback;
 pub use completion::CompletionCounter;
-pub use config::{EngineConfig, PollMode};
+pub use completion::OnDone;
+pub use config::{EngineConfig, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
 pub use engine::{DomainStats, MrHandle, TransferEngine};
@@ -36,6 +40,5 @@ pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 pub use provider::libfabric::{list_providers, DomainSpec, ProviderSpec};
+pub use requests::{PagedWriteRequest, PeerGroup, ScatterSharding, ScatterTarget, WriteRequest};
 pub use sharding::DomainChoice;
-pub use transfers::{PagedWriteRequest, PeerGroup, ScatterSharding, ScatterTarget, WriteRequest};
-pub use worker::{OnDone, RecvCallback};

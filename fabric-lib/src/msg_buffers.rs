@@ -1,6 +1,6 @@
 //! Library-owned, registered buffers for two-sided messages and zero-byte immediates.
 use crate::error::Result;
-use crate::provider::libfabric::{LibfabricDomain, LocalMr};
+use crate::provider::libfabric::{Access, LibfabricDomain, LocalMr};
 
 /// `count` slots of `slot_size` bytes in one registered allocation.
 pub struct MsgBuffers {
@@ -11,10 +11,10 @@ pub struct MsgBuffers {
 }
 
 impl MsgBuffers {
-    /// Allocates and registers the slots on `domain`.
-    pub fn new(domain: &mut LibfabricDomain, count: usize, slot_size: usize) -> Result<Self> {
+    /// Allocates and registers the slots on `domain` with `access`.
+    pub fn new(domain: &mut LibfabricDomain, count: usize, slot_size: usize, access: Access) -> Result<Self> {
         let mut mem = vec![0u8; count.max(1) * slot_size.max(1)].into_boxed_slice();
-        let mr = domain.register(mem.as_mut_ptr(), mem.len())?;
+        let mr = domain.register(mem.as_mut_ptr(), mem.len(), access)?;
         Ok(MsgBuffers { mr, mem, slot_size: slot_size.max(1) })
     }
 

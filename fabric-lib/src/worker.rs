@@ -4,6 +4,8 @@
 //! No locks on the data path: commands arrive on a bounded channel, completions leave on the
 //! callback queue, and the ImmCounter table is updated once per completion batch.
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -11,80 +13,21 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 
 use crate::callback::CallbackQueue;
-use crate::completion::Notify;
-use crate::config::{EngineConfig, PollMode};
+use crate::commands::{Command, RecvCallback, SameHostTransfer, SendCommand, Target, Transfer, SCRATCH_REGION};
+use crate::completion::{Notify, OnDone};
+use crate::config::{deadline_after, EngineConfig, PollMode};
 use crate::descriptor::MemoryKind;
 use crate::domain_state::DomainState;
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
-use crate::provider::libfabric::{Completion, LocalMr, OpContext, OpKind, Posted};
-use crate::provider::local::{LocalChannel, LocalCopy, LocalDone, LocalDst, LocalSrc};
-use crate::sharding::{DeferredImm, Shard};
+use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
+use crate::provider::same_host::{SameHostChannel, SameHostDone, SameHostSrc};
+use crate::sharding::DeferredImm;
 
-/// Completion callback of one request.
-pub type OnDone = Box<dyn FnOnce(Result<()>) + Send + 'static>;
-/// Receives every two-sided message.
-pub type RecvCallback = Arc<dyn Fn(Vec<u8>) + Send + Sync + 'static>;
-
-/// Region id of the worker's scratch buffers (source of zero-byte immediate writes).
-pub(crate) const SCRATCH_REGION: u64 = 0;
-/// Messages kept while no receive callback is installed; older ones are dropped past this.
+/// Messages copied out and kept while no receive callback is installed. Past this, arriving
+/// messages stay in their receive buffers, which are not re-posted: the provider then holds
+/// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
-
-/// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
-/// peer's endpoint address and (key, remote base).
-pub(crate) struct Target {
-    pub addresses: Vec<Vec<u8>>,
-    pub keys: Vec<(u64, u64)>,
-}
-
-/// A validated, planned request of one or more writes.
-pub(crate) struct Transfer {
-    pub region: u64,
-    pub targets: Vec<Target>,
-    pub shards: Vec<Shard>,
-    pub deferred: Vec<DeferredImm>,
-    pub on_done: Notify,
-}
-
-/// A validated same-host write where either side is GPU memory (see `provider::local`).
-pub(crate) struct LocalTransfer {
-    pub region: u64,
-    pub dst: LocalDst,
-    pub copy: LocalCopy,
-    /// The immediate and the destination engine's immediate slots: delivered over the network
-    /// once the copy's event completed (the data is visible by then).
-    pub imm: Option<(u32, Target)>,
-    pub on_done: Notify,
-}
-
-/// A two-sided message, validated by the engine.
-pub(crate) struct SendCommand {
-    pub peer: Vec<u8>,
-    pub data: Vec<u8>,
-    pub on_done: Notify,
-}
-
-pub(crate) enum Command {
-    /// `network: false` records the region for same-host use only (GPU memory without FI_HMEM).
-    Register {
-        region: u64,
-        ptr: usize,
-        len: usize,
-        kind: MemoryKind,
-        network: bool,
-        reply: Sender<Result<Vec<(u64, u64)>>>,
-    },
-    Unregister {
-        region: u64,
-        reply: Sender<Result<()>>,
-    },
-    Transfer(Transfer),
-    Local(LocalTransfer),
-    Send(SendCommand),
-    SetRecvCallback(Option<RecvCallback>),
-    Stop,
-}
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -93,6 +36,11 @@ pub(crate) struct WorkerInfo {
     pub domains: Vec<(String, Vec<u8>, (u64, u64))>,
     /// Per-domain traffic counters the worker updates.
     pub stats: Arc<[DomainCounters]>,
+    /// Set once the worker left its loop (stopped, or a bug made it panic): from then on no
+    /// command is served, and the engine fails what it finds in the queue itself.
+    pub exited: Arc<AtomicBool>,
+    /// Messages refused for exceeding max_message_size.
+    pub oversized_messages: Arc<AtomicU64>,
 }
 
 /// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
@@ -116,6 +64,9 @@ struct Request {
     on_done: Notify,
     /// Immediates to send once every data shard was delivered, with their resolved targets.
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
+    /// The peers it writes to or sends to (per peer, its endpoint on each domain): fenced if
+    /// the request times out.
+    peers: Vec<Vec<Vec<u8>>>,
 }
 
 #[derive(Clone, Copy)]
@@ -156,13 +107,19 @@ struct PendingPost {
     op: Op,
 }
 
+/// A running worker: its command queue (both ends: the engine fails what the worker left in
+/// it after exiting), its thread, and what it reported when ready.
+pub(crate) struct Spawned {
+    pub commands: Sender<Command>,
+    pub leftovers: Receiver<Command>,
+    pub handle: JoinHandle<()>,
+    pub info: WorkerInfo,
+}
+
 /// Starts a worker thread for `specs` (one per domain) and waits (bounded) until it is ready.
-pub(crate) fn spawn(
-    config: &EngineConfig,
-    imm: Arc<ImmCounterTable>,
-    callbacks: CallbackQueue,
-) -> Result<(Sender<Command>, JoinHandle<()>, WorkerInfo)> {
+pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks: CallbackQueue) -> Result<Spawned> {
     let (tx, rx) = bounded::<Command>(config.queue_depth.max(1));
+    let leftovers = rx.clone();
     let (ready_tx, ready_rx) = bounded::<Result<WorkerInfo>>(1);
     let config = config.clone();
     let timeout = config.command_timeout;
@@ -175,7 +132,7 @@ pub(crate) fn spawn(
                 }
             }
             match Worker::open(&config, rx, imm, callbacks) {
-                Ok(worker) => {
+                Ok(mut worker) => {
                     let info = WorkerInfo {
                         provider: worker.domains[0].domain.provider_name(),
                         domains: worker
@@ -184,9 +141,16 @@ pub(crate) fn spawn(
                             .map(|d| (d.domain.domain_name(), d.domain.address().to_vec(), d.imm_target()))
                             .collect(),
                         stats: worker.stats.clone(),
+                        exited: worker.exited.clone(),
+                        oversized_messages: worker.oversized_messages.clone(),
                     };
                     let _ = ready_tx.send(Ok(info));
-                    worker.run();
+                    // A bug must not leave futures pending forever: whatever happens in the
+                    // loop, every request and queued command is failed on the way out.
+                    if catch_unwind(AssertUnwindSafe(|| worker.run())).is_err() {
+                        tracing::error!("the fabric-lib worker panicked; failing every request and stopping");
+                    }
+                    worker.shutdown();
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -197,7 +161,7 @@ pub(crate) fn spawn(
     let info = ready_rx
         .recv_timeout(timeout)
         .map_err(|_| FabricError::Timeout(format!("worker did not open its domains within {timeout:?}")))??;
-    Ok((tx, handle, info))
+    Ok(Spawned { commands: tx, leftovers, handle, info })
 }
 
 struct Worker {
@@ -210,6 +174,11 @@ struct Worker {
     regions: HashMap<u64, Region>,
     recv_callback: Option<RecvCallback>,
     undelivered: VecDeque<Vec<u8>>,
+    /// Receive buffers (domain, slot, length) holding a message nobody took yet.
+    held: VecDeque<(u16, usize, usize)>,
+    /// Messages refused for being larger than `max_message_size` (a misconfigured peer).
+    oversized_messages: Arc<AtomicU64>,
+    max_message_size: usize,
 
     requests: HashMap<u64, Request>,
     next_request: u64,
@@ -231,9 +200,15 @@ struct Worker {
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
     /// The same-host channel, opened on the first same-host GPU write.
-    local: Option<LocalChannel>,
-    local_done: Vec<LocalDone>,
+    same_host: Option<SameHostChannel>,
+    same_host_done: Vec<SameHostDone>,
     paged_copy_blocks: u32,
+    exited: Arc<AtomicBool>,
+    /// Whether writes ask for delivery completion (see `WriteCompletion`).
+    delivery: bool,
+    /// Peers (by their first domain's endpoint) that a request timed out on: nothing is sent
+    /// to them until the application re-admits them.
+    fenced: HashSet<Vec<u8>>,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -274,6 +249,9 @@ impl Worker {
             regions: HashMap::new(),
             recv_callback: None,
             undelivered: VecDeque::new(),
+            held: VecDeque::new(),
+            oversized_messages: Arc::new(AtomicU64::new(0)),
+            max_message_size: config.max_message_size,
             requests: HashMap::new(),
             next_request: 1,
             deadlines: VecDeque::new(),
@@ -284,14 +262,18 @@ impl Worker {
             imm_batch: HashMap::new(),
             done: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
-            local: None,
-            local_done: Vec::new(),
+            same_host: None,
+            same_host_done: Vec::new(),
             paged_copy_blocks: config.paged_copy_blocks,
+            exited: Arc::new(AtomicBool::new(false)),
+            delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
+            fenced: HashSet::new(),
             domains,
         })
     }
 
-    fn run(mut self) {
+    /// Serves commands and drives progress until told to stop (the caller shuts down).
+    fn run(&mut self) {
         let mut last_active = Instant::now();
         let mut iterations: u32 = 0;
         loop {
@@ -301,11 +283,11 @@ impl Worker {
                     Ok(cmd) => {
                         active = true;
                         if !self.handle(cmd) {
-                            return self.shutdown();
+                            return;
                         }
                     }
                     Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return self.shutdown(),
+                    Err(TryRecvError::Disconnected) => return,
                 }
             }
             active |= self.progress();
@@ -319,18 +301,18 @@ impl Worker {
             }
             let busy = !self.outstanding.is_empty()
                 || self.pending.iter().any(|p| p.values().any(|q| !q.is_empty()))
-                || self.local.as_ref().is_some_and(|l| l.busy());
+                || self.same_host.as_ref().is_some_and(|l| l.busy());
             match self.poll_mode {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
                         Ok(cmd) => {
                             last_active = Instant::now();
                             if !self.handle(cmd) {
-                                return self.shutdown();
+                                return;
                             }
                         }
                         Err(RecvTimeoutError::Timeout) => {}
-                        Err(RecvTimeoutError::Disconnected) => return self.shutdown(),
+                        Err(RecvTimeoutError::Disconnected) => return,
                     }
                 }
                 // Yield between empty polls: free when the core is ours alone, and it lets the
@@ -345,7 +327,10 @@ impl Worker {
         match cmd {
             Command::Register { region, ptr, len, kind, network, reply } => {
                 let mrs: Result<Vec<LocalMr>> = if network {
-                    self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len)).collect()
+                    self.domains
+                        .iter_mut()
+                        .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
+                        .collect()
                 } else {
                     Ok(Vec::new())
                 };
@@ -371,16 +356,22 @@ impl Worker {
                 let _ = reply.send(result);
             }
             Command::Transfer(t) => self.start_transfer(t),
-            Command::Local(t) => self.start_local(t),
+            Command::SameHost(t) => self.start_same_host(t),
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
-                if let Some(cb) = &self.recv_callback {
+                if let Some(cb) = self.recv_callback.clone() {
                     for msg in self.undelivered.drain(..) {
                         let cb = cb.clone();
                         self.callbacks.push(Box::new(move || cb(msg)));
                     }
+                    while let Some((domain, slot, len)) = self.held.pop_front() {
+                        self.take_message(domain, slot, len);
+                    }
                 }
+            }
+            Command::Readmit { peer, reply } => {
+                let _ = reply.send(Ok(self.fenced.remove(&peer)));
             }
             Command::Stop => return false,
         }
@@ -390,9 +381,44 @@ impl Worker {
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
         let id = self.next_request;
         self.next_request += 1;
-        self.requests.insert(id, Request { remaining: parts, error: None, on_done, deferred: Vec::new() });
-        self.deadlines.push_back((Instant::now() + self.transfer_timeout, id));
+        let request = Request { remaining: parts, error: None, on_done, deferred: Vec::new(), peers: Vec::new() };
+        self.requests.insert(id, request);
+        self.deadlines.push_back((deadline_after(self.transfer_timeout), id));
         id
+    }
+
+    /// Records a request's peers (endpoints per domain) and returns an error if one is fenced.
+    fn check_fences(&mut self, request: u64, peers: impl Iterator<Item = Vec<Vec<u8>>>) -> Option<FabricError> {
+        let peers: Vec<Vec<Vec<u8>>> = peers.collect();
+        let fenced = peers.iter().any(|p| p.first().is_some_and(|first| self.fenced.contains(first)));
+        if let Some(req) = self.requests.get_mut(&request) {
+            req.peers = peers;
+        }
+        fenced.then(|| {
+            FabricError::PeerFenced(
+                "an earlier request to this peer timed out; call readmit_peer(address) once the application \
+                 knows what the peer received"
+                    .into(),
+            )
+        })
+    }
+
+    /// Fences a peer after a timeout: no more posts to it, and its address-vector entries are
+    /// dropped, which also clears provider state stuck on it (a re-admitted peer starts afresh).
+    fn fence(&mut self, peer: &[Vec<u8>]) {
+        let Some(first) = peer.first() else { return };
+        if !self.fenced.insert(first.clone()) {
+            return;
+        }
+        tracing::warn!("fencing a peer after a request to it timed out; readmit_peer() lifts it");
+        for (domain, endpoint) in peer.iter().enumerate().take(self.domains.len()) {
+            let Some(dest) = self.domains[domain].domain.forget_peer(endpoint) else { continue };
+            let stuck: Vec<PendingPost> = self.pending[domain].remove(&dest).map(Vec::from).unwrap_or_default();
+            for post in stuck {
+                let e = FabricError::PeerFenced("the peer was fenced after a timeout".into());
+                self.fail_post(post, e);
+            }
+        }
     }
 
     /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
@@ -415,6 +441,9 @@ impl Worker {
     fn start_transfer(&mut self, t: Transfer) {
         let Transfer { region, targets, shards, deferred, on_done } = t;
         let id = self.new_request(on_done, shards.len().max(1));
+        if let Some(e) = self.check_fences(id, targets.iter().map(|t| t.addresses.clone())) {
+            return self.fail_request(id, e);
+        }
         let base = if region == SCRATCH_REGION {
             None
         } else {
@@ -435,7 +464,7 @@ impl Worker {
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        let delivery = !resolved.is_empty();
+        let delivery = self.delivery || !resolved.is_empty();
         self.requests.get_mut(&id).expect("just inserted").deferred = resolved;
         if shards.is_empty() {
             // Immediate-only request (barrier, or no data): the deferred imms are the request.
@@ -466,8 +495,8 @@ impl Worker {
         }
     }
 
-    fn start_local(&mut self, t: LocalTransfer) {
-        let LocalTransfer { region, dst, copy, imm, on_done } = t;
+    fn start_same_host(&mut self, t: SameHostTransfer) {
+        let SameHostTransfer { region, dst, copy, imm, on_done } = t;
         let id = self.new_request(on_done, 1);
         let (ptr, kind) = match self.regions.get(&region) {
             Some(r) => (r.ptr as u64, r.kind),
@@ -477,6 +506,9 @@ impl Worker {
             }
         };
         if let Some((imm, target)) = imm {
+            if let Some(e) = self.check_fences(id, std::iter::once(target.addresses.clone())) {
+                return self.fail_request(id, e);
+            }
             let domain = (id as usize % self.domains.len()) as u16;
             let (key, remote_base) = target.keys[domain as usize];
             let mut cache = HashMap::new();
@@ -488,14 +520,14 @@ impl Worker {
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        if self.local.is_none() {
-            match LocalChannel::new(self.paged_copy_blocks) {
-                Ok(l) => self.local = Some(l),
+        if self.same_host.is_none() {
+            match SameHostChannel::new(self.paged_copy_blocks) {
+                Ok(l) => self.same_host = Some(l),
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        let local = self.local.as_mut().expect("opened above");
-        match local.submit(id, region, LocalSrc { kind, ptr }, dst, copy) {
+        let local = self.same_host.as_mut().expect("opened above");
+        match local.submit(id, region, SameHostSrc { kind, ptr }, dst, copy) {
             Ok(()) => {
                 if let Some(r) = self.regions.get_mut(&region) {
                     r.in_flight += 1;
@@ -508,6 +540,9 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
+        if let Some(e) = self.check_fences(id, std::iter::once(vec![peer.clone()])) {
+            return self.finish(id, Err(e));
+        }
         match self.domains[0].domain.resolve_peer(&peer) {
             Ok(dest) => self.queue_send(id, dest, data),
             Err(e) => self.finish(id, Err(e)),
@@ -526,7 +561,24 @@ impl Worker {
         }
     }
 
+    /// The registered region an operation reads from (none for library buffers).
+    fn source_region(op: &Op) -> Option<u64> {
+        match *op {
+            Op::Write { region, .. } if region != SCRATCH_REGION => Some(region),
+            _ => None,
+        }
+    }
+
+    /// Adjusts the count of operations that use a region, queued or posted (unregister refuses
+    /// while it is not zero: the provider may still read the memory).
+    fn track(&mut self, op: &Op, delta: isize) {
+        if let Some(r) = Self::source_region(op).and_then(|r| self.regions.get_mut(&r)) {
+            r.in_flight = r.in_flight.saturating_add_signed(delta);
+        }
+    }
+
     fn post_or_queue(&mut self, domain: usize, post: PendingPost) {
+        self.track(&post.op, 1);
         let dest = post.op.dest();
         if let Some(queue) = self.pending[domain].get_mut(&dest).filter(|q| !q.is_empty()) {
             queue.push_back(post);
@@ -539,18 +591,45 @@ impl Worker {
         }
     }
 
+    /// Drops a queued or refused post (releasing what it holds) and fails its request.
     fn fail_post(&mut self, post: PendingPost, e: FabricError) {
+        self.discard_post(&post);
+        self.finish(post.request, Err(e));
+    }
+
+    /// Releases what a post that will never run holds: its send slot and its region use.
+    fn discard_post(&mut self, post: &PendingPost) {
+        self.track(&post.op, -1);
         if let Op::Send { slot, .. } = post.op {
             self.release_send_slot(slot);
         }
-        self.finish(post.request, Err(e));
+    }
+
+    /// Removes the queued posts of a request that already failed or timed out.
+    fn purge_pending(&mut self, request: u64) {
+        let mut dropped = Vec::new();
+        for queues in &mut self.pending {
+            for queue in queues.values_mut() {
+                queue.retain(|p| {
+                    let keep = p.request != request;
+                    if !keep {
+                        dropped.push(PendingPost { request: p.request, op: p.op });
+                    }
+                    keep
+                });
+            }
+            queues.retain(|_, q| !q.is_empty());
+        }
+        for post in &dropped {
+            self.discard_post(post);
+        }
     }
 
     /// Posts one operation on `domain`; Ok(false) when the provider asks us to retry later.
     fn try_post(&mut self, domain: usize, post: &PendingPost) -> Result<bool> {
-        let (kind, region) = match post.op {
-            Op::Write { region, .. } => (OpKind::Write { request: post.request, region }, Some(region)),
-            Op::Send { slot, .. } => (OpKind::Send { request: post.request, slot, domain: domain as u16 }, None),
+        let kind = match post.op {
+            Op::Write { region, .. } => OpKind::Write { request: post.request, region },
+            Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
         };
         let context = Box::into_raw(OpContext::new(kind));
         let d = &mut self.domains[domain];
@@ -563,7 +642,16 @@ impl Worker {
                     let desc = if region == SCRATCH_REGION {
                         d.scratch.desc()
                     } else {
-                        self.regions[&region].mrs[domain].desc()
+                        match self.regions.get(&region).and_then(|r| r.mrs.get(domain)) {
+                            Some(mr) => mr.desc(),
+                            None => {
+                                // Cannot happen (a region with queued posts cannot be
+                                // unregistered), but must not take the worker down if it does.
+                                drop(Box::from_raw(context));
+                                let e = format!("memory handle {region} is no longer registered");
+                                return Err(FabricError::InvalidArgument(e));
+                            }
+                        }
                     };
                     d.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm, delivery, context)
                 }
@@ -580,9 +668,6 @@ impl Worker {
                 counters.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 counters.bytes.fetch_add(post.op.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 self.outstanding.insert(context as usize);
-                if let Some(r) = region.and_then(|r| self.regions.get_mut(&r)) {
-                    r.in_flight += 1;
-                }
                 Ok(true)
             }
             other => {
@@ -602,9 +687,7 @@ impl Worker {
                 return active;
             };
             if !self.requests.contains_key(&post.request) {
-                if let Op::Send { slot, .. } = post.op {
-                    self.release_send_slot(slot);
-                }
+                self.discard_post(&post);
                 continue; // failed or timed out meanwhile
             }
             match self.try_post(domain, &post) {
@@ -650,8 +733,8 @@ impl Worker {
             }
             self.completions = completions;
         }
-        if let Some(local) = self.local.as_mut() {
-            let mut done = std::mem::take(&mut self.local_done);
+        if let Some(local) = self.same_host.as_mut() {
+            let mut done = std::mem::take(&mut self.same_host_done);
             if local.poll(&mut done) {
                 active = true;
                 for (request, region, result) in done.drain(..) {
@@ -661,7 +744,7 @@ impl Worker {
                     self.finish(request, result);
                 }
             }
-            self.local_done = done;
+            self.same_host_done = done;
         }
         if !self.imm_batch.is_empty() {
             let batch: Vec<(u32, u32)> = self.imm_batch.drain().collect();
@@ -706,12 +789,7 @@ impl Worker {
     fn on_completion(&mut self, completion: Completion) {
         match completion {
             Completion::Done { context, len } => match self.take_context(context) {
-                Some(OpKind::Recv { slot, domain }) => {
-                    let d = &mut self.domains[domain as usize];
-                    let msg = d.recv_buffers.slot_bytes(slot, len).to_vec();
-                    d.recv_to_post.push(slot);
-                    self.deliver(msg);
-                }
+                Some(OpKind::Recv { slot, domain }) => self.on_message(domain, slot, len),
                 Some(kind) => self.finish_op(kind, Ok(())),
                 None => tracing::warn!("completion with an unknown context"),
             },
@@ -723,7 +801,9 @@ impl Worker {
             }
             Completion::Failed { context, message } => match self.take_context(context) {
                 Some(OpKind::Recv { slot, domain }) => {
-                    tracing::warn!("a receive failed: {message}");
+                    // A message the provider could not place (too long for the buffer, say).
+                    self.oversized_messages.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("a message could not be received: {message}");
                     self.domains[domain as usize].recv_to_post.push(slot);
                 }
                 Some(kind) => self.finish_op(kind, Err(FabricError::TransferFailed(message))),
@@ -748,8 +828,10 @@ impl Worker {
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {
         match kind {
             OpKind::Write { request, region } => {
-                if let Some(r) = self.regions.get_mut(&region) {
-                    r.in_flight = r.in_flight.saturating_sub(1);
+                if region != SCRATCH_REGION {
+                    if let Some(r) = self.regions.get_mut(&region) {
+                        r.in_flight = r.in_flight.saturating_sub(1);
+                    }
                 }
                 self.finish(request, result);
             }
@@ -762,6 +844,7 @@ impl Worker {
     }
 
     fn fail_request(&mut self, request: u64, e: FabricError) {
+        self.purge_pending(request);
         if let Some(req) = self.requests.get_mut(&request) {
             req.deferred.clear();
             req.remaining = 1;
@@ -794,7 +877,7 @@ impl Worker {
                     remote_addr: remote_base,
                     key,
                     imm: Some(d.imm),
-                    delivery: false,
+                    delivery: self.delivery,
                 };
                 self.post_or_queue(domain, PendingPost { request, op });
             }
@@ -805,19 +888,37 @@ impl Worker {
         self.notify(req.on_done, result);
     }
 
-    fn deliver(&mut self, msg: Vec<u8>) {
+    /// A message landed in a receive buffer. Buffers are one byte larger than the largest
+    /// message, so a longer (truncated) one is recognised and refused, never delivered cut.
+    fn on_message(&mut self, domain: u16, slot: usize, len: usize) {
+        if len > self.max_message_size {
+            self.oversized_messages.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "refused a message of at least {len} bytes: larger than max_message_size ({}); \
+                 the sender ignored this engine's limit",
+                self.max_message_size
+            );
+            self.domains[domain as usize].recv_to_post.push(slot);
+            return;
+        }
+        if self.recv_callback.is_none() && self.undelivered.len() >= UNDELIVERED_LIMIT {
+            self.held.push_back((domain, slot, len));
+            return;
+        }
+        self.take_message(domain, slot, len);
+    }
+
+    /// Copies a message out of its buffer, re-posts the buffer and delivers (or keeps) it.
+    fn take_message(&mut self, domain: u16, slot: usize, len: usize) {
+        let d = &mut self.domains[domain as usize];
+        let msg = d.recv_buffers.slot_bytes(slot, len).to_vec();
+        d.recv_to_post.push(slot);
         match &self.recv_callback {
             Some(cb) => {
                 let cb = cb.clone();
                 self.callbacks.push(Box::new(move || cb(msg)));
             }
-            None => {
-                if self.undelivered.len() == UNDELIVERED_LIMIT {
-                    tracing::warn!("no receive callback installed; dropping the oldest kept message");
-                    self.undelivered.pop_front();
-                }
-                self.undelivered.push_back(msg);
-            }
+            None => self.undelivered.push_back(msg),
         }
     }
 
@@ -840,6 +941,10 @@ impl Worker {
             }
             self.deadlines.pop_front();
             if let Some(req) = self.requests.remove(&id) {
+                self.purge_pending(id);
+                for peer in &req.peers {
+                    self.fence(peer);
+                }
                 let timeout = self.transfer_timeout;
                 let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
                 self.notify(req.on_done, Err(e));
@@ -849,28 +954,19 @@ impl Worker {
 
     /// Fails everything still in flight, closes the domains and frees leftover contexts.
     fn shutdown(mut self) {
+        self.exited.store(true, Ordering::Release);
+        self.imm.close(); // wakes every waiter with Stopped
         let requests: Vec<Request> = self.requests.drain().map(|(_, r)| r).collect();
         for req in requests {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }
         self.waiting_sends.clear();
-        while let Ok(cmd) = self.rx.try_recv() {
-            match cmd {
-                Command::Transfer(Transfer { on_done, .. })
-                | Command::Local(LocalTransfer { on_done, .. })
-                | Command::Send(SendCommand { on_done, .. }) => self.notify(on_done, Err(FabricError::Stopped)),
-                Command::Register { reply, .. } => {
-                    let _ = reply.send(Err(FabricError::Stopped));
-                }
-                Command::Unregister { reply, .. } => {
-                    let _ = reply.send(Err(FabricError::Stopped));
-                }
-                Command::SetRecvCallback(_) | Command::Stop => {}
-            }
-        }
         self.flush_done();
+        while let Ok(cmd) = self.rx.try_recv() {
+            cmd.fail_stopped();
+        }
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
-        drop(self.local.take()); // waits for same-host copies still running
+        drop(self.same_host.take()); // waits for same-host copies still running
         drop(self); // closes every registration, then the endpoints and domains
         for context in outstanding {
             // SAFETY: the endpoints are closed, so the provider no longer references these

@@ -182,7 +182,7 @@ impl AllToAll {
         let layout = Layout::new(&cfg);
         let kernels = Kernels::load(&ctx)?;
         let tma = std::env::var(ENV_TMA).is_ok_and(|v| v.trim() == "1")
-            && kernels.set_max_dynamic_shared(kernels.dispatch, DISPATCH_MAX_DYNAMIC_SHARED as u32).is_ok();
+            && kernels.dispatch.set_max_dynamic_shared_bytes(DISPATCH_MAX_DYNAMIC_SHARED as u32).is_ok();
         let shared = DeviceBuffer::new(&ctx, layout.shared_bytes)?;
         let state = DeviceBuffer::new(&ctx, layout.state_bytes)?;
         let host = PinnedHostBuffer::new(&ctx, layout.host_bytes)?;
@@ -449,8 +449,8 @@ impl AllToAll {
         let p = self.dispatch_send_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
         unsafe {
-            self.kernels.launch(
-                self.kernels.dispatch_send,
+            Kernels::launch(
+                &self.kernels.dispatch_send,
                 self.dispatch_grid,
                 THREADS,
                 self.send_shared_bytes,
@@ -467,7 +467,7 @@ impl AllToAll {
     pub unsafe fn dispatch_recv(&self, stream: u64, a: &DispatchRecv) -> Result<()> {
         let p = self.dispatch_recv_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe { self.kernels.launch(self.kernels.dispatch_recv, self.dispatch_grid, THREADS, 0, stream, &p) }
+        unsafe { Kernels::launch(&self.kernels.dispatch_recv, self.dispatch_grid, THREADS, 0, stream, &p) }
     }
 
     /// Enqueues combine's send half on `stream`.
@@ -478,7 +478,7 @@ impl AllToAll {
     pub unsafe fn combine_send(&self, stream: u64, a: &CombineSend) -> Result<()> {
         let p = self.combine_send_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe { self.kernels.launch(self.kernels.combine_send, self.combine_grid, THREADS, 0, stream, &p) }
+        unsafe { Kernels::launch(&self.kernels.combine_send, self.combine_grid, THREADS, 0, stream, &p) }
     }
 
     /// Enqueues combine's receive half on `stream`.
@@ -488,7 +488,7 @@ impl AllToAll {
     pub unsafe fn combine_recv(&self, stream: u64, a: &CombineRecv) -> Result<()> {
         let p = self.combine_recv_params(a)?;
         // SAFETY: `p` mirrors the kernel's parameter; the caller guarantees addresses and stream.
-        unsafe { self.kernels.launch(self.kernels.combine_recv, self.combine_grid, THREADS, 0, stream, &p) }
+        unsafe { Kernels::launch(&self.kernels.combine_recv, self.combine_grid, THREADS, 0, stream, &p) }
     }
 
     /// Enqueues both halves of dispatch as one kernel (what [`AllToAll::dispatch_send`] then
@@ -510,7 +510,7 @@ impl AllToAll {
             tma_smem: tma_smem.unwrap_or(0) as u64,
         };
         // SAFETY: as for the halves.
-        unsafe { self.kernels.launch(self.kernels.dispatch, self.dispatch_grid, THREADS, shared as u32, stream, &p) }
+        unsafe { Kernels::launch(&self.kernels.dispatch, self.dispatch_grid, THREADS, shared as u32, stream, &p) }
     }
 
     /// Enqueues both halves of combine as one kernel.
@@ -524,7 +524,7 @@ impl AllToAll {
             send_warps: self.combine_send_warps(recv.num_rows) as u64,
         };
         // SAFETY: as for the halves.
-        unsafe { self.kernels.launch(self.kernels.combine, self.combine_grid, THREADS, 0, stream, &p) }
+        unsafe { Kernels::launch(&self.kernels.combine, self.combine_grid, THREADS, 0, stream, &p) }
     }
 
     /// Sending warps per block of a fused dispatch of `num_tokens` rows: all of them (send, then

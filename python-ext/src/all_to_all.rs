@@ -14,26 +14,35 @@ impl PyErrorClass for A2aError {
     fn class_name(&self) -> &'static str {
         match self {
             A2aError::InvalidArgument(_) => "InvalidArgumentError",
-            A2aError::KernelsUnavailable => "CudaUnavailableError",
             A2aError::Cuda(CudaError::DriverUnavailable(_) | CudaError::KernelsUnavailable) => "CudaUnavailableError",
             A2aError::Cuda(CudaError::InvalidArgument(_)) => "InvalidArgumentError",
             A2aError::Cuda(_) => "FabricError",
-            A2aError::Call { .. } | A2aError::NotConnected(_) => "FabricError",
+            A2aError::NotConnected(_) => "FabricError",
         }
     }
 }
 
-// The halves' arguments as the Python wrapper packs them: one tuple per half, so the separate
-// and the fused calls share them.
+// The halves' arguments, read by attribute name from the frozen dataclasses of the same names in
+// `fabric_lib.all_to_all` (one object per half, shared by the separate and the fused calls).
 
-/// (x, x_stride, scales, scales_stride, indices, indices_stride, indices_are_i64, num_tokens,
-/// num_tokens_ptr, publish_host_counts).
+/// `fabric_lib.all_to_all.DispatchSendArgs`.
 #[derive(FromPyObject)]
-pub struct DispatchSendArgs(u64, u64, u64, u64, u64, u64, bool, usize, u64, bool);
+pub struct DispatchSendArgs {
+    x: u64,
+    x_stride: u64,
+    scales: u64,
+    scales_stride: u64,
+    indices: u64,
+    indices_stride: u64,
+    indices_are_i64: bool,
+    num_tokens: usize,
+    num_tokens_ptr: u64,
+    publish_host_counts: bool,
+}
 
 impl From<DispatchSendArgs> for DispatchSend {
     fn from(a: DispatchSendArgs) -> Self {
-        let DispatchSendArgs(
+        let DispatchSendArgs {
             x,
             x_stride,
             scales,
@@ -44,7 +53,7 @@ impl From<DispatchSendArgs> for DispatchSend {
             num_tokens,
             num_tokens_ptr,
             publish_host_counts,
-        ) = a;
+        } = a;
         DispatchSend {
             x,
             x_stride,
@@ -60,32 +69,45 @@ impl From<DispatchSendArgs> for DispatchSend {
     }
 }
 
-/// (out_x, out_scales, out_counts).
+/// `fabric_lib.all_to_all.DispatchRecvArgs`.
 #[derive(FromPyObject)]
-pub struct DispatchRecvArgs(u64, u64, u64);
+pub struct DispatchRecvArgs {
+    out_x: u64,
+    out_scales: u64,
+    out_counts: u64,
+}
 
 impl From<DispatchRecvArgs> for DispatchRecv {
-    fn from(DispatchRecvArgs(out_x, out_scales, out_counts): DispatchRecvArgs) -> Self {
+    fn from(DispatchRecvArgs { out_x, out_scales, out_counts }: DispatchRecvArgs) -> Self {
         DispatchRecv { out_x, out_scales, out_counts }
     }
 }
 
-/// (expert_out, expert_out_stride, weights, weights_stride).
+/// `fabric_lib.all_to_all.CombineSendArgs`.
 #[derive(FromPyObject)]
-pub struct CombineSendArgs(u64, u64, u64, u64);
+pub struct CombineSendArgs {
+    expert_out: u64,
+    expert_out_stride: u64,
+    weights: u64,
+    weights_stride: u64,
+}
 
 impl From<CombineSendArgs> for CombineSend {
-    fn from(CombineSendArgs(expert_out, expert_out_stride, weights, weights_stride): CombineSendArgs) -> Self {
+    fn from(CombineSendArgs { expert_out, expert_out_stride, weights, weights_stride }: CombineSendArgs) -> Self {
         CombineSend { expert_out, expert_out_stride, weights, weights_stride }
     }
 }
 
-/// (out, out_stride, num_rows).
+/// `fabric_lib.all_to_all.CombineRecvArgs`.
 #[derive(FromPyObject)]
-pub struct CombineRecvArgs(u64, u64, usize);
+pub struct CombineRecvArgs {
+    out: u64,
+    out_stride: u64,
+    num_rows: usize,
+}
 
 impl From<CombineRecvArgs> for CombineRecv {
-    fn from(CombineRecvArgs(out, out_stride, num_rows): CombineRecvArgs) -> Self {
+    fn from(CombineRecvArgs { out, out_stride, num_rows }: CombineRecvArgs) -> Self {
         CombineRecv { out, out_stride, num_rows }
     }
 }

@@ -1,25 +1,18 @@
 //! The `TransferEngine` Python class: converts arguments, releases the GIL around anything that
 //! blocks, and forwards to `fabric_lib::TransferEngine`.
-use std::time::Duration;
 
 use fabric_lib::{
-    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, PollMode, ProviderSpec,
-    ScatterSharding, ScatterTarget, TransferEngine, WriteRequest,
+    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, ProviderSpec, ScatterSharding,
+    ScatterTarget, TransferEngine, WriteRequest,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::callbacks;
+use crate::config::{engine_config, invalid, seconds};
 use crate::errors::IntoPyResult;
 use crate::gpu::{PyGpuFlag, PyUvmWatcher};
 use crate::values::{PyEngineAddress, PyMrDescriptor};
-
-fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
-    if !(seconds.is_finite() && seconds >= 0.0) {
-        return Err(PyValueError::new_err(format!("{what} must be a finite, non-negative number of seconds")));
-    }
-    Ok(Duration::from_secs_f64(seconds))
-}
 
 /// Page indices from little-endian `u32` bytes (what the Python wrapper passes) or a sequence
 /// of ints.
@@ -27,7 +20,7 @@ fn page_indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(bytes) = obj.cast::<pyo3::types::PyBytes>() {
         let b = bytes.as_bytes();
         if b.len() % 4 != 0 {
-            return Err(PyValueError::new_err("page index bytes must be a multiple of 4 long (little-endian u32)"));
+            return Err(invalid(obj.py(), "page index bytes must be a multiple of 4 long (little-endian u32)".into()));
         }
         return Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
     }
@@ -42,50 +35,16 @@ pub struct PyTransferEngine {
 
 #[pymethods]
 impl PyTransferEngine {
+    /// `options`: engine settings by name (see `engine_defaults()`); None keeps a default.
     #[new]
-    #[pyo3(signature = (provider=None, domains=Vec::new(), worker_cpu=None, poll_mode="busy", transfer_timeout=30.0,
-                        command_timeout=10.0, max_message_size=65536, recv_buffers=64, send_buffers=64,
-                        shard_min_bytes=262144, paged_copy_blocks=16, uvm_watcher_cpu=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (provider=None, domains=Vec::new(), **options))]
     fn new(
         py: Python<'_>,
         provider: Option<String>,
         domains: Vec<String>,
-        worker_cpu: Option<usize>,
-        poll_mode: &str,
-        transfer_timeout: f64,
-        command_timeout: f64,
-        max_message_size: usize,
-        recv_buffers: usize,
-        send_buffers: usize,
-        shard_min_bytes: u64,
-        paged_copy_blocks: u32,
-        uvm_watcher_cpu: Option<usize>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        if paged_copy_blocks == 0 || paged_copy_blocks > 65_535 {
-            return Err(PyValueError::new_err("paged_copy_blocks must be in 1..=65535"));
-        }
-        let poll_mode = match poll_mode {
-            "busy" => PollMode::Busy,
-            "adaptive" => PollMode::ADAPTIVE,
-            other => {
-                return Err(PyValueError::new_err(format!("poll_mode must be 'busy' or 'adaptive', not {other:?}")))
-            }
-        };
-        let config = EngineConfig {
-            provider: ProviderSpec { provider, domains },
-            shard_min_bytes,
-            worker_cpu,
-            poll_mode,
-            transfer_timeout: duration(transfer_timeout, "transfer_timeout")?,
-            command_timeout: duration(command_timeout, "command_timeout")?,
-            max_message_size,
-            recv_buffers,
-            send_buffers,
-            paged_copy_blocks,
-            uvm_watcher_cpu,
-            ..EngineConfig::default()
-        };
+        let config = EngineConfig { provider: ProviderSpec { provider, domains }, ..engine_config(py, options)? };
         let engine = py.detach(|| TransferEngine::new(config)).py(py)?;
         Ok(PyTransferEngine { engine })
     }
@@ -123,7 +82,7 @@ impl PyTransferEngine {
         let kind = match device {
             None => fabric_lib::gpu::detect_memory_kind(ptr as u64),
             Some(d) if d < 0 => MemoryKind::Host,
-            Some(d) => MemoryKind::Cuda(u32::try_from(d).map_err(|_| PyValueError::new_err("device out of range"))?),
+            Some(d) => MemoryKind::Cuda(u32::try_from(d).map_err(|_| invalid(py, format!("device {d} out of range")))?),
         };
         // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
         // registration exists; raw-pointer callers accept that contract in the docs.
@@ -313,8 +272,25 @@ impl PyTransferEngine {
     }
 
     fn wait_imm_count(&self, py: Python<'_>, imm: u32, count: u64, timeout: f64) -> PyResult<()> {
-        let timeout = duration(timeout, "timeout")?;
+        let timeout = seconds(py, timeout, "timeout")?;
         py.detach(|| self.engine.wait_imm_count(imm, count, timeout)).py(py)
+    }
+
+    /// Lifts the fence a timed-out request put on `peer`; returns whether it was fenced.
+    fn readmit_peer(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>) -> PyResult<bool> {
+        let peer = peer.0.clone();
+        py.detach(|| self.engine.readmit_peer(&peer)).py(py)
+    }
+
+    /// Consumes `count` arrivals of `imm` if all are there (atomic check-and-take).
+    fn try_take_imm_count(&self, imm: u32, count: u64) -> bool {
+        self.engine.try_take_imm_count(imm, count)
+    }
+
+    /// Messages refused for exceeding this engine's max_message_size.
+    #[getter]
+    fn refused_messages(&self) -> u64 {
+        self.engine.refused_messages()
     }
 
     fn claim_imm(&self, imm: u32) {

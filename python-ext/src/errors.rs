@@ -18,6 +18,7 @@ impl PyErrorClass for FabricError {
             FabricError::Libfabric { .. } => "FabricError",
             FabricError::TransferFailed(_) => "TransferError",
             FabricError::Timeout(_) => "FabricTimeoutError",
+            FabricError::PeerFenced(_) => "PeerFencedError",
             FabricError::Stopped => "EngineStoppedError",
             FabricError::CudaUnavailable(_) => "CudaUnavailableError",
             FabricError::Cuda(_) => "CudaError",

@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 
 mod all_to_all;
 mod callbacks;
+mod config;
 mod engine;
 mod errors;
 mod gpu;
@@ -40,6 +41,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyTransferEngine>()?;
     m.add_class::<values::PyEngineAddress>()?;
     m.add_class::<values::PyMrDescriptor>()?;
+    m.add_function(wrap_pyfunction!(config::engine_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(list_providers, m)?)?;
     m.add_function(wrap_pyfunction!(detect_topology_json, m)?)?;
     m.add("ENCODING_VERSION", fabric_lib::ENCODING_VERSION)?;

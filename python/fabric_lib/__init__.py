@@ -9,7 +9,7 @@ from ._loader import load_native
 
 load_native()  # first: a missing libfabric gets an ImportError saying what to install
 
-from ._rust import ENCODING_VERSION, list_providers
+from ._rust import ENCODING_VERSION, engine_defaults, list_providers
 from .engine import EngineAddress, MemoryRegion, MrDescriptor, TransferEngine
 from .errors import (
     CallbackThreadError,
@@ -20,6 +20,7 @@ from .errors import (
     FabricTimeoutError,
     InvalidArgumentError,
     InvalidDescriptorError,
+    PeerFencedError,
     ProviderUnavailableError,
     TransferError,
 )
@@ -37,11 +38,13 @@ __all__ = [
     "ImmCounter",
     "InvalidArgumentError",
     "InvalidDescriptorError",
+    "PeerFencedError",
     "MemoryRegion",
     "MrDescriptor",
     "ProviderUnavailableError",
     "TransferEngine",
     "TransferError",
+    "engine_defaults",
     "list_providers",
 ]
 

@@ -31,6 +31,9 @@ def _after_fork_in_child() -> None:
     global _generation
     _generation += 1
     for owner in list(_live):
+        forget = getattr(owner, "_after_fork_in_child", None)
+        if forget is not None:
+            forget()  # e.g. drop the owner's stop-at-exit finalizer
         entry = owner.__dict__.get("_fork_guarded")
         if entry is not None:
             # One reference nobody releases: not even shutdown's clean-up may drop the native.

@@ -29,6 +29,7 @@ this host and reachable over NVLink (peer-to-peer).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -68,6 +69,47 @@ class DispatchOutput(NamedTuple):
     """``[local_experts, max_tokens_per_expert, hidden // 128]`` fp32 scales (fp8 dispatch), else None."""
     counts: torch.Tensor
     """``[local_experts]`` int32: rows received by each local expert."""
+
+
+# The halves' arguments as the native class reads them, by attribute name (device pointers and
+# strides in bytes; 0 for an absent tensor). One object per half, shared by the separate and the
+# fused calls.
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSendArgs:
+    x: int
+    x_stride: int
+    scales: int
+    scales_stride: int
+    indices: int
+    indices_stride: int  # in elements
+    indices_are_i64: bool
+    num_tokens: int  # rows of x (the kernel reads the live count from num_tokens_ptr when set)
+    num_tokens_ptr: int
+    publish_host_counts: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchRecvArgs:
+    out_x: int
+    out_scales: int
+    out_counts: int
+
+
+@dataclass(frozen=True, slots=True)
+class CombineSendArgs:
+    expert_out: int
+    expert_out_stride: int
+    weights: int
+    weights_stride: int  # in elements
+
+
+@dataclass(frozen=True, slots=True)
+class CombineRecvArgs:
+    out: int
+    out_stride: int
+    num_rows: int
 
 
 def _fail(msg: str) -> InvalidArgumentError:
@@ -262,7 +304,7 @@ class AllToAll:
         if not do_recv:
             assert send_args is not None
             self._native.dispatch_send(self._stream(), send_args)
-            self._last_rows = send_args[-3]
+            self._last_rows = send_args.num_tokens
             return None
         L, M, H = self.local_experts, self.max_tokens_per_expert, self.hidden
         out_x = torch.empty((L, M, H), dtype=self.dispatch_dtype, device=self.device)
@@ -272,19 +314,19 @@ class AllToAll:
             else None
         )
         counts = torch.empty((L,), dtype=torch.int32, device=self.device)
-        recv_args = (
-            out_x.data_ptr(),
-            out_scales.data_ptr() if out_scales is not None else 0,
-            counts.data_ptr(),
+        recv_args = DispatchRecvArgs(
+            out_x=out_x.data_ptr(),
+            out_scales=out_scales.data_ptr() if out_scales is not None else 0,
+            out_counts=counts.data_ptr(),
         )
         if send_args is None:
             self._native.dispatch_recv(self._stream(), recv_args)
         elif self.fused:
             self._native.dispatch(self._stream(), send_args, recv_args)
-            self._last_rows = send_args[-3]
+            self._last_rows = send_args.num_tokens
         else:
             self._native.dispatch_send(self._stream(), send_args)
-            self._last_rows = send_args[-3]
+            self._last_rows = send_args.num_tokens
             self._native.dispatch_recv(self._stream(), recv_args)
         return DispatchOutput(out_x, out_scales, counts)
 
@@ -294,7 +336,7 @@ class AllToAll:
         indices: torch.Tensor | None,
         scales: torch.Tensor | None,
         num_tokens: torch.Tensor | None,
-    ) -> _rust._DispatchSendArgs:
+    ) -> DispatchSendArgs:
         """Checks the send half's inputs; returns the native send half's arguments."""
         if x is None or indices is None:
             raise _fail("dispatch's send half needs x and indices")
@@ -340,17 +382,17 @@ class AllToAll:
                 raise _fail(
                     f"expert indices must be in [-1, {self.num_experts}); found values in [{lo}, {hi}]"
                 )
-        return (
-            x.data_ptr() if T else 0,
-            x.stride(0) * elem if T else 0,
-            scales_ptr if T else 0,
-            scales_stride if T else 0,
-            indices.data_ptr() if T else 0,
-            indices.stride(0) if T else 0,
-            indices.dtype == torch.int64,
-            T,
-            nt_ptr,
-            self.publish_host_counts,
+        return DispatchSendArgs(
+            x=x.data_ptr() if T else 0,
+            x_stride=x.stride(0) * elem if T else 0,
+            scales=scales_ptr if T else 0,
+            scales_stride=scales_stride if T else 0,
+            indices=indices.data_ptr() if T else 0,
+            indices_stride=indices.stride(0) if T else 0,
+            indices_are_i64=indices.dtype == torch.int64,
+            num_tokens=T,
+            num_tokens_ptr=nt_ptr,
+            publish_host_counts=self.publish_host_counts,
         )
 
     # ---------------------------------------------------------------------------------- combine
@@ -419,7 +461,12 @@ class AllToAll:
                 if T
                 else torch.empty((1, self.experts_per_token), dtype=torch.float32, device=self.device)
             )
-            send_args = (expert_out.data_ptr(), row * 2, w.data_ptr(), w.stride(0))
+            send_args = CombineSendArgs(
+                expert_out=expert_out.data_ptr(),
+                expert_out_stride=row * 2,
+                weights=w.data_ptr(),
+                weights_stride=w.stride(0),
+            )
             if not do_recv:
                 self._native.combine_send(self._stream(), send_args)
                 return None
@@ -433,7 +480,9 @@ class AllToAll:
                 raise _fail(f"out must have shape ({T}, {self.hidden}), not {tuple(out.shape)}")
             if T and ((out.data_ptr() % 16) or (out.stride(0) * 2) % 16):
                 raise _fail("out rows must start on 16-byte boundaries")
-        recv_args = (out.data_ptr() if T else 0, out.stride(0) * 2 if T else 0, T)
+        recv_args = CombineRecvArgs(
+            out=out.data_ptr() if T else 0, out_stride=out.stride(0) * 2 if T else 0, num_rows=T
+        )
         if send_args is None:
             self._native.combine_recv(self._stream(), recv_args)
         elif self.fused:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import ctypes
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Literal, Sequence, overload
 
@@ -146,6 +147,12 @@ def _page_list(pages: Any) -> bytes:
         raise InvalidArgumentError(f"page indices must be integers in [0, 2**32): {e}") from None
 
 
+def _stop_native(native: Any, regions: dict[int, MemoryRegion]) -> None:
+    """Stops a native engine; ``regions`` (the registered objects) stay referenced until then."""
+    native.stop()
+    regions.clear()
+
+
 class TransferEngine:
     """Moves host memory to and from peer engines over a libfabric provider.
 
@@ -154,14 +161,36 @@ class TransferEngine:
             None picks an RDMA provider when present, else tcp on loopback.
         domain: domain (NIC/interface) name, e.g. "lo" or "eth0", or a list of them to aggregate
             several NICs (every peer must open the same number); None picks a default.
+
+    Every other option is keyword-only; ``None`` (the default) keeps the engine's default, and
+    ``fabric_lib.engine_defaults()`` lists them all (defaults in brackets):
+
         worker_cpu: CPU to pin the worker thread to, or "auto" for the first physical core of
-            the host's NUMA node (from ``detect_topology()``).
-        poll_mode: "busy" (lowest latency, one core) or "adaptive" (spins, then sleeps when idle).
-        transfer_timeout: seconds after which an unfinished request fails (dead peer).
-        command_timeout: seconds to wait for the worker to accept or answer a command.
-        max_message_size: largest two-sided message in bytes.
-        paged_copy_blocks: blocks (SMs) of the same-host paged-copy kernel (GPU memory).
-        uvm_watcher_cpu: CPU to pin the UVM watcher threads to.
+            the host's NUMA node (from ``detect_topology()``) [not pinned].
+        poll_mode: "busy" (lowest latency, one core) or "adaptive" (spins, then sleeps when
+            idle) ["busy"].
+        transfer_timeout: seconds after which an unfinished request fails (dead peer) [30].
+        command_timeout: seconds to wait for the worker to accept or answer a command [10].
+        max_message_size: largest two-sided message in bytes; peers learn it from the address
+            and senders check it [65536].
+        recv_buffers / send_buffers: message buffers per domain [64 / 64].
+        queue_depth: commands the worker's queue holds before submits wait [8192].
+        shard_min_bytes: single writes at least this long are split over the NICs [262144].
+        paged_copy_blocks: blocks (SMs) of the same-host paged-copy kernel (GPU memory) [16].
+        uvm_watcher_cpu: CPU to pin the UVM watcher threads to [not pinned].
+        write_completion: when a write's Future completes: "delivery" (the bytes are in the
+            receiver's memory; a write the receiver refuses fails with TransferError),
+            "transmit" (the source may be reused; only the receiver's immediate count says the
+            bytes arrived) or "auto" (delivery on tcp and sockets, whose refusals are reported no
+            other way, transmit elsewhere) ["auto"].
+
+    Timeouts: a request not completed within ``transfer_timeout`` fails with
+    ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
+    ``PeerFencedError`` until ``readmit_peer(address)``. Whether a timed-out request landed (and
+    its immediate was counted) is unknown, so resending it blindly could count an immediate twice.
+
+    Out-of-range values raise ``InvalidArgumentError`` before anything is allocated. An engine
+    that is garbage-collected without ``stop()`` stops itself first.
 
     GPU memory (``register_tensor`` of a CUDA tensor) is reached from the same host through CUDA
     IPC: writes where either side is GPU memory and the destination's engine runs on this host
@@ -180,36 +209,51 @@ class TransferEngine:
         domain: str | Sequence[str] | None = None,
         *,
         worker_cpu: int | Literal["auto"] | None = None,
-        poll_mode: Literal["busy", "adaptive"] = "busy",
-        transfer_timeout: float = 30.0,
-        command_timeout: float = 10.0,
-        max_message_size: int = 65536,
-        recv_buffers: int = 64,
-        send_buffers: int = 64,
-        shard_min_bytes: int = 256 * 1024,
-        paged_copy_blocks: int = 16,
+        poll_mode: Literal["busy", "adaptive"] | None = None,
+        transfer_timeout: float | None = None,
+        command_timeout: float | None = None,
+        max_message_size: int | None = None,
+        recv_buffers: int | None = None,
+        send_buffers: int | None = None,
+        queue_depth: int | None = None,
+        shard_min_bytes: int | None = None,
+        paged_copy_blocks: int | None = None,
         uvm_watcher_cpu: int | None = None,
+        write_completion: Literal["auto", "delivery", "transmit"] | None = None,
     ) -> None:
-        domains = [] if domain is None else [domain] if isinstance(domain, str) else list(domain)
+        if isinstance(domain, str) or domain is None:
+            domains = [] if domain is None else [domain]
+        elif isinstance(domain, Sequence) and all(isinstance(d, str) for d in domain):
+            domains = list(domain)
+        else:
+            raise InvalidArgumentError(f"domain must be a name or a sequence of names, got {domain!r}")
         if worker_cpu == "auto":
             cpus = detect_topology().device("host").cpus
             worker_cpu = cpus[0] if cpus else None
-        self._native = _rust.TransferEngine(
-            provider,
-            domains,
-            worker_cpu,
-            poll_mode,
-            transfer_timeout,
-            command_timeout,
-            max_message_size,
-            recv_buffers,
-            send_buffers,
-            shard_min_bytes,
-            paged_copy_blocks,
-            uvm_watcher_cpu,
+        options = {
+            "worker_cpu": worker_cpu,
+            "poll_mode": poll_mode,
+            "transfer_timeout": transfer_timeout,
+            "command_timeout": command_timeout,
+            "max_message_size": max_message_size,
+            "recv_buffers": recv_buffers,
+            "send_buffers": send_buffers,
+            "queue_depth": queue_depth,
+            "shard_min_bytes": shard_min_bytes,
+            "paged_copy_blocks": paged_copy_blocks,
+            "uvm_watcher_cpu": uvm_watcher_cpu,
+            "write_completion": write_completion,
+        }
+        native = _rust.TransferEngine(
+            provider, domains, **{k: v for k, v in options.items() if v is not None}
         )
+        self._native = native
         self._regions: dict[int, MemoryRegion] = {}
         self._lock = threading.Lock()
+        # An engine dropped without stop() stops itself; until then the finalizer holds the
+        # registered objects, so no registration ever outlives the memory it covers (an
+        # ImmCounter may keep the native engine alive longer, stopped).
+        self._finalizer = weakref.finalize(self, _stop_native, native, self._regions)
 
     @staticmethod
     def detect_topology(overrides: dict[str, list[str]] | None = None) -> Topology:
@@ -599,6 +643,16 @@ class TransferEngine:
         self._native.submit_send(_as_address(peer), bytes(data), callback)
         return future
 
+    def readmit_peer(self, peer: EngineAddress | bytes) -> bool:
+        """Lifts the fence a timed-out request put on ``peer``; returns whether it was fenced."""
+        return self._native.readmit_peer(_as_address(peer))
+
+    @property
+    def refused_messages(self) -> int:
+        """Messages refused for exceeding this engine's ``max_message_size`` (sent by peers that
+        ignored the limit their address carries)."""
+        return self._native.refused_messages
+
     def set_recv_callback(self, callback: Callable[[bytes], None] | None) -> None:
         """Installs the callback receiving every message; messages that arrived earlier are
         delivered once it is set."""
@@ -667,7 +721,11 @@ class TransferEngine:
         in a forked child (the engine belongs to the parent and is unusable there)."""
         if _fork.inherited(self):
             return
-        self._native.stop()
+        self._finalizer()
+
+    def _after_fork_in_child(self) -> None:
+        """Called in a forked child: the parent's engine must never be stopped from here."""
+        self._finalizer.detach()
 
     @property
     def stopped(self) -> bool:

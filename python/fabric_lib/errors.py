@@ -11,6 +11,7 @@ __all__ = [
     "FabricTimeoutError",
     "InvalidArgumentError",
     "InvalidDescriptorError",
+    "PeerFencedError",
     "ProviderUnavailableError",
     "TransferError",
 ]
@@ -38,6 +39,12 @@ class TransferError(FabricError):
 
 class FabricTimeoutError(FabricError, TimeoutError):
     """A bounded wait ran out (unresponsive peer, full queue, count not reached)."""
+
+
+class PeerFencedError(FabricTimeoutError):
+    """An earlier request to this peer timed out, so the engine sends it nothing more until
+    ``TransferEngine.readmit_peer(address)``. A timed-out request may or may not have landed (and
+    been counted); re-admit only once the application knows what the peer received."""
 
 
 class EngineStoppedError(FabricError):

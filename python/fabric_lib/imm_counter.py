@@ -106,10 +106,7 @@ class ImmCounter:
 
     def poll(self, count: int) -> bool:
         """Consumes ``count`` arrivals and returns True if they are there; else False at once."""
-        if self._native.imm_count(self.imm) < count:
-            return False
-        self._native.wait_imm_count(self.imm, count, 0.0)
-        return True
+        return self._native.try_take_imm_count(self.imm, count)
 
     def close(self) -> None:
         """Releases the claim on the immediate."""

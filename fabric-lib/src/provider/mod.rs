@@ -1,3 +1,4 @@
-//! Transports. One domain is one NIC; `local` is the same-host channel (CUDA IPC + copy engines).
+//! Transports. One domain is one NIC; `same_host` carries writes that involve GPU memory between
+//! processes of one host (CUDA IPC + copy engines), with the semantics of the network path.
 pub mod libfabric;
-pub(crate) mod local;
+pub(crate) mod same_host;

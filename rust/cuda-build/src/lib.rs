@@ -13,7 +13,7 @@
 //! Without nvcc the build still succeeds: it sets `cfg(cuda_kernels_missing)` and prints a cargo
 //! warning; the crate then reports "kernels unavailable" when a kernel is needed.
 //! The fatbin's path and the built architectures reach the crate as the compile-time variables
-//! `<PREFIX>_FATBIN` and `<PREFIX>_KERNEL_ARCHS`.
+//! `<PREFIX>_FATBIN` and `<PREFIX>_KERNEL_ARCHS`, which `cuda_lib::embed_kernels!` reads.
 //! `FABRIC_LIB_REQUIRE_KERNELS=1` turns a missing nvcc into a build error (for release wheels).
 use std::{
     env,

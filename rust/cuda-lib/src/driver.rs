@@ -44,6 +44,7 @@ pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventRecord",
     "cuEventSynchronize",
+    "cuFuncSetAttribute",
     "cuGraphDestroy",
     "cuGraphExecDestroy",
     "cuGraphInstantiateWithFlags",

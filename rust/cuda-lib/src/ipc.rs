@@ -52,6 +52,7 @@ pub fn ipc_export(ctx: &Context, ptr: u64) -> Result<IpcExport> {
 pub struct IpcMapping {
     ctx: Arc<Context>,
     ptr: u64,
+    len: usize,
 }
 
 impl IpcMapping {
@@ -68,12 +69,27 @@ impl IpcMapping {
         if ptr == 0 {
             return Err(CudaError::InvalidArgument("cuIpcOpenMemHandle returned a null pointer".into()));
         }
-        Ok(IpcMapping { ctx: ctx.clone(), ptr })
+        // Owned from here on, so an error below still closes the handle.
+        let mut mapping = IpcMapping { ctx: ctx.clone(), ptr, len: 0 };
+        let mut base = 0u64;
+        // SAFETY: out pointers are valid; `ptr` is the base of the allocation just opened.
+        unsafe { cu!(cuMemGetAddressRange_v2(&mut base, &mut mapping.len, ptr)) }?;
+        Ok(mapping)
     }
 
     /// The base address of the opened allocation in this process.
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// The size of the opened allocation, as the driver knows it (not as a peer claims it).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the allocation is empty (never, for an opened handle).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// The context it was opened in.

@@ -9,33 +9,11 @@ use crate::{
     stream::Stream,
 };
 
-#[cfg(not(cuda_kernels_missing))]
-#[repr(C, align(16))]
-struct Aligned<T: ?Sized>(T);
-
-#[cfg(not(cuda_kernels_missing))]
-static FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(env!("CUDA_LIB_FATBIN")));
-
-/// The embedded fatbin, or [`CudaError::KernelsUnavailable`] when nvcc was missing at build time.
-pub fn kernel_image() -> Result<&'static [u8]> {
-    #[cfg(not(cuda_kernels_missing))]
-    {
-        Ok(&FATBIN.0)
-    }
-    #[cfg(cuda_kernels_missing)]
-    {
-        Err(CudaError::KernelsUnavailable)
-    }
-}
+crate::embed_kernels!("CUDA_LIB_FATBIN", "CUDA_LIB_KERNEL_ARCHS");
 
 /// Whether this build carries the kernels.
 pub fn kernels_available() -> bool {
     kernel_image().is_ok()
-}
-
-/// The machine-code architectures in the embedded fatbin (e.g. "sm_90a,sm_100a"), empty if none.
-pub fn kernel_archs() -> &'static str {
-    env!("CUDA_LIB_KERNEL_ARCHS")
 }
 
 /// The embedded kernels loaded into one context. Launches are `unsafe`: they take raw addresses.

@@ -12,7 +12,8 @@
 //! - safe RAII types: [`Context`] (retained primary context), [`DeviceBuffer`] (cuMemAlloc),
 //!   [`VmmAllocation`] (cuMemCreate/cuMemMap, POSIX-fd export/import, DMA-BUF),
 //!   [`IpcMapping`] (legacy IPC handles), [`PinnedHostBuffer`] (mapped pinned host memory),
-//!   [`Stream`], [`Event`], [`Graph`]/[`GraphExec`], [`Module`]/[`Function`], and [`Kernels`]
+//!   [`Stream`], [`Event`], [`Graph`]/[`GraphExec`], [`Module`]/[`Function`] (launches on a
+//!   [`Stream`] of this crate, or on a raw stream handle another library made), and [`Kernels`]
 //!   (the embedded `kernels/*.cu`: paged copy, release-store "bump", flag poll).
 //!
 //! Raw device addresses are plain `u64`s (they come from torch, peers, descriptors); operations
@@ -27,13 +28,16 @@
 //!
 //! **Kernels.** build.rs compiles `kernels/*.cu` with nvcc 13.0 into one fatbin (sm_90a, plus
 //! sm_100a when nvcc supports it, plus compute_90 PTX). A build without nvcc succeeds; then
-//! [`Kernels::load`] returns [`CudaError::KernelsUnavailable`].
+//! [`Kernels::load`] returns [`CudaError::KernelsUnavailable`]. Other crates embed their own
+//! kernels the same way: `cuda_build::compile_kernels` in the build script, [`embed_kernels!`] in
+//! the crate, [`Module`] to load them.
 #[macro_use]
 mod driver;
 mod alloc;
 mod context;
 mod device;
 mod dmabuf;
+mod embed;
 mod error;
 mod event;
 mod graph;
@@ -51,6 +55,8 @@ pub use cudarc::driver::sys;
 pub use device::{driver_version, Device};
 pub use dmabuf::{export_dmabuf, DMABUF_ALIGNMENT};
 pub use driver::{device_count, pointer_device, Driver};
+#[doc(hidden)]
+pub use embed::Aligned16;
 pub use error::{CudaError, Result};
 pub use event::Event;
 pub use graph::{Graph, GraphExec};

@@ -102,6 +102,22 @@ impl Function {
         &self.name
     }
 
+    /// Raises the dynamic shared memory one block of this kernel may use to `bytes` (above the
+    /// default 48 KiB, up to the device's opt-in limit).
+    pub fn set_max_dynamic_shared_bytes(&self, bytes: u32) -> Result<()> {
+        let bytes = i32::try_from(bytes)
+            .map_err(|_| CudaError::InvalidArgument(format!("{bytes} bytes of dynamic shared memory")))?;
+        let _cur = self.module.ctx.enter()?;
+        // SAFETY: the function is live; the attribute takes a byte count.
+        unsafe {
+            cu!(cuFuncSetAttribute(
+                self.raw,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes
+            ))
+        }
+    }
+
     /// Launches the kernel on `stream` (which must belong to the module's context).
     ///
     /// # Safety
@@ -120,8 +136,24 @@ impl Function {
                 self.name
             )));
         }
+        // SAFETY: the stream is live and of the module's context; the caller guarantees the rest.
+        unsafe { self.launch_on(stream.raw(), cfg, params) }
+    }
+
+    /// Launches the kernel on a stream known only by its raw handle: one another library made
+    /// (e.g. torch's current stream), or 0 for the legacy default stream.
+    ///
+    /// # Safety
+    /// As for [`Function::launch`]; and `stream` must be a live stream of the module's context
+    /// (or 0), which cannot be checked from the handle.
+    pub unsafe fn launch_on(
+        &self,
+        stream: sys::CUstream,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
         let _cur = self.module.ctx.enter()?;
-        // SAFETY: the caller guarantees the parameters; function and stream are live.
+        // SAFETY: the caller guarantees the parameters and the stream; the function is live.
         unsafe {
             cu!(cuLaunchKernel(
                 self.raw,
@@ -132,7 +164,7 @@ impl Function {
                 cfg.block.1,
                 cfg.block.2,
                 cfg.shared_mem_bytes,
-                stream.raw(),
+                stream,
                 params.as_mut_ptr(),
                 std::ptr::null_mut()
             ))

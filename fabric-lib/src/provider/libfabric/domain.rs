@@ -8,8 +8,9 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::context::OpContext;
+use super::error::libfabric_error;
 use super::info::{resolve, DomainSpec, FabricInfo};
-use super::mr::LocalMr;
+use super::mr::{Access, LocalMr};
 use crate::error::{FabricError, Result};
 
 /// Completion entries read per `fi_cq_read` call.
@@ -72,15 +73,21 @@ pub struct LibfabricDomain {
     fids: Rc<DomainFids>,
     address: Vec<u8>,
     peers: HashMap<Vec<u8>, sys::fi_addr_t>,
-    next_key: u64,
     entries: Vec<sys::fi_cq_data_entry>,
+}
+
+/// A random memory key of `bytes` bytes (the provider's mr_key_size), never 0.
+fn random_key(bytes: usize) -> Result<u64> {
+    let raw = getrandom::u64().map_err(|e| FabricError::InvalidArgument(format!("no random source: {e}")))?;
+    let key = if bytes >= 8 { raw } else { raw & ((1u64 << (8 * bytes)) - 1) };
+    Ok(key.max(1))
 }
 
 fn check(call: &'static str, ret: i32) -> Result<()> {
     if ret == 0 {
         Ok(())
     } else {
-        Err(FabricError::libfabric(call, ret.into()))
+        Err(libfabric_error(call, ret.into()))
     }
 }
 
@@ -131,7 +138,6 @@ impl LibfabricDomain {
             fids: Rc::new(fids),
             address: name,
             peers: HashMap::new(),
-            next_key: 1,
             entries: vec![sys::fi_cq_data_entry::default(); CQ_BATCH],
         })
     }
@@ -161,11 +167,30 @@ impl LibfabricDomain {
         self.info.max_msg_size()
     }
 
-    /// Registers memory on this domain, honouring the provider's mr_mode.
-    pub fn register(&mut self, ptr: *mut u8, len: usize) -> Result<LocalMr> {
-        let key = self.next_key;
-        self.next_key += 1;
-        LocalMr::register(&self.fids, ptr, len, key, self.info.mr_mode())
+    /// Registers memory on this domain, honouring the provider's mr_mode. Where we choose the
+    /// key, it is a random 64-bit number: a peer can reach only regions whose descriptor it was
+    /// given, never a neighbour by guessing (sequential keys let a key changed by one hit
+    /// another region), and a descriptor kept across a restart or sent to the wrong engine
+    /// matches nothing.
+    pub fn register(&mut self, ptr: *mut u8, len: usize, access: Access) -> Result<LocalMr> {
+        let mr_mode = self.info.mr_mode();
+        let provider_keys = mr_mode & sys::FI_MR_PROV_KEY as u64 != 0;
+        let key_bytes = self.info.mr_key_size().clamp(1, 8);
+        let mut last = None;
+        for _ in 0..4 {
+            let key = if provider_keys { 0 } else { random_key(key_bytes)? };
+            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode) {
+                Err(FabricError::Libfabric { code, .. }) if code == sys::FI_ENOKEY as i32 && !provider_keys => {
+                    last = Some(code); // that random key is taken: draw another
+                }
+                other => return other,
+            }
+        }
+        Err(FabricError::Libfabric {
+            call: "fi_mr_reg",
+            code: last.unwrap_or_default(),
+            message: "no free random memory key after 4 draws".into(),
+        })
     }
 
     /// Maps a peer's endpoint address to an `fi_addr_t`, inserting it on first use.
@@ -173,6 +198,7 @@ impl LibfabricDomain {
         if let Some(a) = self.peers.get(address) {
             return Ok(*a);
         }
+        super::check_endpoint(self.info.addr_format(), &self.address, address)?;
         let mut fi_addr: sys::fi_addr_t = 0;
         // SAFETY: av is open; address holds one raw endpoint name of this provider's format.
         let ret = unsafe {
@@ -188,11 +214,23 @@ impl LibfabricDomain {
         Ok(fi_addr)
     }
 
+    /// Removes a peer from the address vector (a later `resolve_peer` inserts it afresh);
+    /// returns the `fi_addr_t` it had, if it was known.
+    pub fn forget_peer(&mut self, address: &[u8]) -> Option<sys::fi_addr_t> {
+        let mut fi_addr = self.peers.remove(address)?;
+        // SAFETY: av is open and `fi_addr` came from fi_av_insert on it.
+        let ret = unsafe { sys::shim_fi_av_remove(self.fids.av, &mut fi_addr, 1, 0) };
+        if ret != 0 {
+            tracing::warn!("fi_av_remove returned {ret}");
+        }
+        Some(fi_addr)
+    }
+
     fn posted(call: &'static str, ret: isize) -> Result<Posted> {
         match ret {
             0 => Ok(Posted::Ok),
             r if r == -(sys::FI_EAGAIN as isize) => Ok(Posted::Again),
-            r => Err(FabricError::libfabric(call, r as i64)),
+            r => Err(libfabric_error(call, r as i64)),
         }
     }
 
@@ -317,7 +355,7 @@ impl LibfabricDomain {
             // SAFETY: an error entry is available; err is a valid out-struct.
             let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut err, 0) };
             if r < 0 {
-                return Err(FabricError::libfabric("fi_cq_readerr", r as i64));
+                return Err(libfabric_error("fi_cq_readerr", r as i64));
             }
             let mut buf = [0 as std::os::raw::c_char; 256];
             // SAFETY: cq is open; err came from it; buf has 256 bytes.
@@ -334,6 +372,6 @@ impl LibfabricDomain {
             out.push(Completion::Failed { context: err.op_context as *mut OpContext, message });
             return Ok(1);
         }
-        Err(FabricError::libfabric("fi_cq_read", ret as i64))
+        Err(libfabric_error("fi_cq_read", ret as i64))
     }
 }

@@ -113,6 +113,17 @@ impl FabricInfo {
         }
     }
 
+    /// Bytes of a memory key (keys we choose must fit).
+    pub fn mr_key_size(&self) -> usize {
+        // SAFETY: domain_attr is set in every fi_info that fi_getinfo returns.
+        unsafe { (*self.get().domain_attr).mr_key_size }
+    }
+
+    /// The endpoint address format (FI_SOCKADDR_IN, FI_ADDR_STR, ...).
+    pub fn addr_format(&self) -> u32 {
+        self.get().addr_format
+    }
+
     pub fn cq_data_size(&self) -> usize {
         // SAFETY: domain_attr is non-null for returned entries.
         unsafe { (*self.get().domain_attr).cq_data_size }

@@ -5,7 +5,29 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::domain::DomainFids;
+use super::error::libfabric_error;
 use crate::error::{FabricError, Result};
+
+/// What a registration allows. Local access is what the engine's own posts need; remote
+/// access is the only door peers have into this process's memory, so it is granted narrowly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// A region peers write into (user regions; the engine's immediate slot), and the source of
+    /// this engine's writes and messages. Not remotely readable.
+    RemoteWrite,
+    /// Library message buffers: sent from and received into, never touched remotely.
+    MessagesOnly,
+}
+
+impl Access {
+    fn flags(self) -> u64 {
+        let local = (sys::FI_SEND | sys::FI_RECV) as u64;
+        match self {
+            Access::RemoteWrite => local | (sys::FI_WRITE | sys::FI_READ | sys::FI_REMOTE_WRITE) as u64,
+            Access::MessagesOnly => local,
+        }
+    }
+}
 
 /// A region registered on one domain. Holds its domain alive, and is closed before it.
 pub struct LocalMr {
@@ -17,17 +39,17 @@ pub struct LocalMr {
 }
 
 impl LocalMr {
-    /// Registers `[ptr, ptr+len)` for local and remote read/write and for messages.
+    /// Registers `[ptr, ptr+len)` with `access`, asking for `requested_key` (ignored by
+    /// providers that pick keys themselves, FI_MR_PROV_KEY).
     pub(super) fn register(
         fids: &Rc<DomainFids>,
         ptr: *mut u8,
         len: usize,
+        access: Access,
         requested_key: u64,
         mr_mode: u64,
     ) -> Result<Self> {
-        let access =
-            (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_SEND | sys::FI_RECV)
-                as u64;
+        let access = access.flags();
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
         // SAFETY: domain is open; the caller guarantees ptr/len describe memory that stays valid
         // while registered.
@@ -45,19 +67,19 @@ impl LocalMr {
             )
         };
         if ret != 0 {
-            return Err(FabricError::libfabric("fi_mr_reg", ret.into()));
+            return Err(libfabric_error("fi_mr_reg", ret.into()));
         }
         let mut this = LocalMr { mr, desc: ptr::null_mut(), key: 0, remote_base: 0, _domain: fids.clone() };
         if mr_mode & sys::FI_MR_ENDPOINT as u64 != 0 {
             // SAFETY: mr and ep are open objects of the same domain.
             let ret = unsafe { sys::shim_fi_mr_bind(mr, &mut (*fids.ep).fid, 0) };
             if ret != 0 {
-                return Err(FabricError::libfabric("fi_mr_bind", ret.into()));
+                return Err(libfabric_error("fi_mr_bind", ret.into()));
             }
             // SAFETY: mr was just bound.
             let ret = unsafe { sys::shim_fi_mr_enable(mr) };
             if ret != 0 {
-                return Err(FabricError::libfabric("fi_mr_enable", ret.into()));
+                return Err(libfabric_error("fi_mr_enable", ret.into()));
             }
         }
         // SAFETY: mr is a valid, enabled registration.

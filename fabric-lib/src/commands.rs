@@ -1,0 +1,98 @@
+//! The vocabulary between the engine (which validates and plans on the caller's thread) and its
+//! worker (which posts and completes): the commands on the worker's queue and what they carry.
+use std::sync::Arc;
+
+use crossbeam_channel::Sender;
+
+use crate::completion::Notify;
+use crate::descriptor::MemoryKind;
+use crate::error::{FabricError, Result};
+use crate::provider::same_host::{SameHostCopy, SameHostDst};
+use crate::sharding::{DeferredImm, Shard};
+
+/// Receives every two-sided message.
+pub type RecvCallback = Arc<dyn Fn(Vec<u8>) + Send + Sync + 'static>;
+
+/// Region id of the worker's scratch buffers (source of zero-byte immediate writes).
+pub(crate) const SCRATCH_REGION: u64 = 0;
+
+/// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
+/// peer's endpoint address and (key, remote base).
+pub(crate) struct Target {
+    pub addresses: Vec<Vec<u8>>,
+    pub keys: Vec<(u64, u64)>,
+}
+
+/// A validated, planned request of one or more writes.
+pub(crate) struct Transfer {
+    pub region: u64,
+    pub targets: Vec<Target>,
+    pub shards: Vec<Shard>,
+    pub deferred: Vec<DeferredImm>,
+    pub on_done: Notify,
+}
+
+/// A validated same-host write where either side is GPU memory (see `provider::same_host`).
+pub(crate) struct SameHostTransfer {
+    pub region: u64,
+    pub dst: SameHostDst,
+    pub copy: SameHostCopy,
+    /// The immediate and the destination engine's immediate slots: delivered over the network
+    /// once the copy's event completed (the data is visible by then).
+    pub imm: Option<(u32, Target)>,
+    pub on_done: Notify,
+}
+
+/// A two-sided message, validated by the engine.
+pub(crate) struct SendCommand {
+    pub peer: Vec<u8>,
+    pub data: Vec<u8>,
+    pub on_done: Notify,
+}
+
+pub(crate) enum Command {
+    /// `network: false` records the region for same-host use only (GPU memory without FI_HMEM).
+    Register {
+        region: u64,
+        ptr: usize,
+        len: usize,
+        kind: MemoryKind,
+        network: bool,
+        reply: Sender<Result<Vec<(u64, u64)>>>,
+    },
+    Unregister {
+        region: u64,
+        reply: Sender<Result<()>>,
+    },
+    Transfer(Transfer),
+    SameHost(SameHostTransfer),
+    Send(SendCommand),
+    SetRecvCallback(Option<RecvCallback>),
+    /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
+    Readmit {
+        peer: Vec<u8>,
+        reply: Sender<Result<bool>>,
+    },
+    Stop,
+}
+
+impl Command {
+    /// Fails the command with [`FabricError::Stopped`] on the calling thread.
+    pub(crate) fn fail_stopped(self) {
+        match self {
+            Command::Transfer(Transfer { on_done, .. })
+            | Command::SameHost(SameHostTransfer { on_done, .. })
+            | Command::Send(SendCommand { on_done, .. }) => on_done.now(Err(FabricError::Stopped)),
+            Command::Register { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::Unregister { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::Readmit { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::SetRecvCallback(_) | Command::Stop => {}
+        }
+    }
+}

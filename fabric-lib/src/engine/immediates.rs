@@ -1,0 +1,80 @@
+//! Immediates without data, peer groups and barriers.
+use std::sync::atomic::Ordering;
+
+use super::TransferEngine;
+use crate::address::EngineAddress;
+use crate::commands::{Target, Transfer, SCRATCH_REGION};
+use crate::completion::{Notify, OnDone};
+use crate::descriptor::MrDescriptor;
+use crate::error::{FabricError, Result};
+use crate::requests::PeerGroup;
+use crate::sharding::{plan_imms, Shard};
+
+impl TransferEngine {
+    /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
+    /// network keys, into its owner engine's immediate slot: the receiver counts it the same).
+    pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
+        if !dst.network_reachable() {
+            return self.submit_imm_to(imm, &dst.owner, on_done);
+        }
+        let target = self.region_target(dst)?;
+        self.submit_imm_to_targets(imm, vec![target], on_done)
+    }
+
+    /// Sends only an immediate to an engine (its immediate slot); no region needed.
+    pub fn submit_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: OnDone) -> Result<()> {
+        let target = self.engine_target(peer)?;
+        self.submit_imm_to_targets(imm, vec![target], on_done)
+    }
+
+    fn submit_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: OnDone) -> Result<()> {
+        let n = self.num_domains();
+        let start = self.rotate(targets.len());
+        let mut shards: Vec<Shard> = (0..targets.len())
+            .map(|p| Shard {
+                peer: p as u32,
+                domain: ((start + p) % n) as u16,
+                src_offset: 0,
+                len: 0,
+                dst_offset: 0,
+                imm: None,
+            })
+            .collect();
+        let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
+        self.submit_transfer(Transfer {
+            region: SCRATCH_REGION,
+            targets,
+            shards,
+            deferred,
+            on_done: Notify::Callback(on_done),
+        })
+    }
+
+    /// Registers a set of peer engines for scatters and barriers.
+    pub fn add_peer_group(&self, peers: &[EngineAddress]) -> Result<PeerGroup> {
+        if peers.is_empty() {
+            return Err(FabricError::InvalidArgument("a peer group needs at least one peer".into()));
+        }
+        for p in peers {
+            self.check_peer(p)?;
+        }
+        let id = self.next_group.fetch_add(1, Ordering::Relaxed);
+        self.peer_groups.write().insert(id, peers.to_vec());
+        Ok(PeerGroup(id))
+    }
+
+    pub(super) fn group(&self, group: PeerGroup) -> Result<Vec<EngineAddress>> {
+        self.peer_groups
+            .read()
+            .get(&group.0)
+            .cloned()
+            .ok_or_else(|| FabricError::InvalidArgument(format!("peer group {} does not exist", group.0)))
+    }
+
+    /// Sends `imm` to every member of `group` (each member counts it once).
+    pub fn submit_barrier(&self, imm: u32, group: PeerGroup, on_done: OnDone) -> Result<()> {
+        let members = self.group(group)?;
+        let targets = members.iter().map(|m| self.engine_target(m)).collect::<Result<Vec<_>>>()?;
+        self.submit_imm_to_targets(imm, targets, on_done)
+    }
+}

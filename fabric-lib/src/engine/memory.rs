@@ -1,0 +1,138 @@
+//! Registering memory: host regions with the NIC (after checking they are mapped read-write),
+//! GPU regions through CUDA IPC for same-host peers.
+use std::sync::atomic::Ordering;
+
+use super::{MrHandle, RegionInfo, TransferEngine};
+use crate::commands::Command;
+use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
+use crate::error::{FabricError, Result};
+
+impl TransferEngine {
+    /// Registers `[ptr, ptr + len)` for local use and remote writes.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`TransferEngine::unregister_memory`] returns (or
+    /// the engine is stopped).
+    pub unsafe fn register_memory(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+    ) -> Result<(MrHandle, MrDescriptor)> {
+        if ptr.is_null() {
+            return Err(FabricError::InvalidArgument("cannot register a null pointer".into()));
+        }
+        if len == 0 {
+            return Err(FabricError::InvalidArgument("cannot register an empty region".into()));
+        }
+        if (ptr as usize).checked_add(len).is_none() {
+            return Err(FabricError::InvalidArgument("region extent overflows the address space".into()));
+        }
+        if let MemoryKind::Cuda(device) = kind {
+            return self.register_cuda(ptr as u64, len, device);
+        }
+        crate::host_memory::check_host_range(ptr as u64, len as u64)?;
+        let region = self.next_region.fetch_add(1, Ordering::Relaxed);
+        let registered =
+            self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: true, reply })?;
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind });
+        let descriptor = MrDescriptor {
+            base: ptr as u64,
+            len: len as u64,
+            kind,
+            owner: self.address.clone(),
+            keys: registered
+                .iter()
+                .zip(&self.address.domains)
+                .map(|(&(key, remote_base), address)| DomainKey { address: address.clone(), key, remote_base })
+                .collect(),
+            cuda: None,
+        };
+        Ok((MrHandle(region), descriptor))
+    }
+
+    /// GPU memory: exported through a legacy CUDA IPC handle for same-host peers. The libfabric
+    /// providers opened here lack FI_HMEM, so it is not registered with the NIC (no DMA-BUF
+    /// registration is implemented: it cannot be tested on these hosts); network writes from or
+    /// to it fail with an error saying so (see [`TransferEngine::gpu_network_error`]).
+    fn register_cuda(&self, ptr: u64, len: usize, device: u32) -> Result<(MrHandle, MrDescriptor)> {
+        match crate::gpu::detect_memory_kind(ptr) {
+            MemoryKind::Cuda(d) if d == device => {}
+            MemoryKind::Cuda(d) => {
+                return Err(FabricError::InvalidArgument(format!(
+                    "pointer {ptr:#x} is memory of CUDA device {d}, not of device {device}"
+                )))
+            }
+            MemoryKind::Host => {
+                cuda_lib::Driver::get()?;
+                return Err(FabricError::InvalidArgument(format!(
+                    "pointer {ptr:#x} is not CUDA device memory (registered as cuda:{device})"
+                )));
+            }
+        }
+        let ctx = cuda_lib::Context::new(device as usize)?;
+        let export = cuda_lib::ipc_export(&ctx, ptr).map_err(|e| {
+            FabricError::Cuda(format!(
+                "exporting a CUDA IPC handle for {ptr:#x}: {e} (only cudaMalloc/cuMemAlloc memory can be \
+                 shared; torch's expandable_segments allocations cannot)"
+            ))
+        })?;
+        if export.offset + len as u64 > export.alloc_len as u64 {
+            return Err(FabricError::InvalidArgument(format!(
+                "GPU region [{ptr:#x}, +{len}) extends past the end of its allocation ({} bytes from offset {})",
+                export.alloc_len, export.offset
+            )));
+        }
+        let kind = MemoryKind::Cuda(device);
+        let region = self.next_region.fetch_add(1, Ordering::Relaxed);
+        self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: false, reply })?;
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind });
+        let descriptor = MrDescriptor {
+            base: ptr,
+            len: len as u64,
+            kind,
+            owner: self.address.clone(),
+            keys: Vec::new(),
+            cuda: Some(CudaIpc {
+                handle: export.handle.0.to_vec(),
+                offset: export.offset,
+                alloc_len: export.alloc_len as u64,
+            }),
+        };
+        Ok((MrHandle(region), descriptor))
+    }
+
+    /// Information about a local registration.
+    pub(crate) fn region_info(&self, handle: MrHandle) -> Result<RegionInfo> {
+        self.regions
+            .read()
+            .get(&handle.0)
+            .copied()
+            .ok_or_else(|| FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)))
+    }
+
+    /// Releases a registration. Fails while operations reading from it are in flight.
+    pub fn unregister_memory(&self, handle: MrHandle) -> Result<()> {
+        if !self.regions.read().contains_key(&handle.0) {
+            return Err(FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)));
+        }
+        self.request(|reply| Command::Unregister { region: handle.0, reply })?;
+        self.regions.write().remove(&handle.0);
+        Ok(())
+    }
+
+    /// Length of a local registration.
+    pub fn region_len(&self, handle: MrHandle) -> Result<u64> {
+        self.region_info(handle).map(|r| r.len)
+    }
+
+    /// Address of a local registration's first byte.
+    pub fn region_base(&self, handle: MrHandle) -> Result<u64> {
+        self.region_info(handle).map(|r| r.ptr)
+    }
+
+    /// Memory kind of a local registration.
+    pub fn region_kind(&self, handle: MrHandle) -> Result<MemoryKind> {
+        self.region_info(handle).map(|r| r.kind)
+    }
+}

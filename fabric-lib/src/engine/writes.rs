@@ -1,0 +1,159 @@
+//! Single and paged writes: validated in full and planned on the caller's thread (nothing is
+//! posted if any part is out of range), then handed to the worker as one request.
+//!
+//! Immediate contract: a request delivers its immediate **exactly once to each target peer**,
+//! however the engine cut it across domains (see [`crate::sharding`]).
+use std::sync::Arc;
+
+use super::routing::Route;
+use super::{MrHandle, TransferEngine};
+use crate::commands::{Command, SameHostTransfer, Transfer};
+use crate::completion::{CompletionCounter, Notify, OnDone};
+use crate::descriptor::{check_range, MrDescriptor};
+use crate::error::{FabricError, Result};
+use crate::provider::same_host::{Pages, SameHostCopy, SameHostDst};
+use crate::requests::{PagedWriteRequest, WriteRequest};
+use crate::sharding::{plan_imms, split_bytes, DomainChoice, Shard};
+
+impl TransferEngine {
+    /// Posts one write; `on_done` runs on the callback thread once every part completed (or
+    /// one failed). Bad input is rejected here and nothing is posted.
+    pub fn submit_write(&self, req: &WriteRequest<'_>, on_done: OnDone) -> Result<()> {
+        self.submit_write_notify(req, Notify::Callback(on_done))
+    }
+
+    /// [`TransferEngine::submit_write`] that reports to `counter` instead of a callback: the
+    /// worker bumps it directly (no callback-thread hop), the fast path for many small writes.
+    pub fn submit_write_counted(&self, req: &WriteRequest<'_>, counter: &Arc<CompletionCounter>) -> Result<()> {
+        self.submit_write_notify(req, Notify::Counter(counter.clone()))
+    }
+
+    fn submit_write_notify(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<()> {
+        check_range("source", self.region_len(req.src)?, req.src_offset, req.len)?;
+        let route = self.route(req.src, req.dst)?;
+        req.dst.check_range(req.dst_offset, req.len)?;
+        let n = self.num_domains();
+        if let DomainChoice::Pinned(d) = req.domains {
+            if d >= n {
+                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")));
+            }
+        }
+        let target = match route {
+            Route::Network(t) => t,
+            Route::SameHost(local) => {
+                let copy =
+                    SameHostCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
+                return self.submit_same_host(req.src, req.dst, local, copy, req.imm, on_done);
+            }
+        };
+        let pieces = match req.domains {
+            DomainChoice::Pinned(d) if d >= n => {
+                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")))
+            }
+            DomainChoice::Pinned(d) => vec![(d, 0, req.len)],
+            DomainChoice::Shard(k) => split_bytes(req.len, n, k, self.rotate(1), self.config().shard_min_bytes),
+        };
+        let mut shards: Vec<Shard> = pieces
+            .into_iter()
+            .map(|(domain, off, len)| Shard {
+                peer: 0,
+                domain: domain as u16,
+                src_offset: req.src_offset + off,
+                len,
+                dst_offset: req.dst_offset + off,
+                imm: None,
+            })
+            .collect();
+        let deferred = plan_imms(&mut shards, &[req.imm]);
+        self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done })
+    }
+
+    /// Posts a paged write (see [`PagedWriteRequest`]); every page index is checked against both
+    /// regions before anything is posted.
+    pub fn submit_paged_writes(&self, req: &PagedWriteRequest<'_>, on_done: OnDone) -> Result<()> {
+        let src_len = self.region_len(req.src)?;
+        let route = self.route(req.src, req.dst)?;
+        if req.src_pages.len() != req.dst_pages.len() {
+            return Err(FabricError::InvalidArgument(format!(
+                "{} source pages but {} destination pages",
+                req.src_pages.len(),
+                req.dst_pages.len()
+            )));
+        }
+        if req.src_pages.is_empty() {
+            return Err(FabricError::InvalidArgument("paged write with an empty page list".into()));
+        }
+        if req.page_len == 0 {
+            return Err(FabricError::InvalidArgument("page length must be positive".into()));
+        }
+        let page_range = |side: &str, pages: &[u32], stride: u64, offset: u64, region_len: u64| -> Result<()> {
+            let (i, max) = pages.iter().enumerate().max_by_key(|(_, p)| **p).expect("non-empty");
+            let start = u64::from(*max)
+                .checked_mul(stride)
+                .and_then(|s| s.checked_add(offset))
+                .ok_or_else(|| FabricError::InvalidArgument(format!("{side} page {max} overflows")))?;
+            check_range(side, region_len, start, req.page_len)
+                .map_err(|e| FabricError::InvalidArgument(format!("{side} page index {max} (position {i}): {e}")))
+        };
+        page_range("source", req.src_pages, req.src_stride, req.src_offset, src_len)?;
+        page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, req.dst.len)?;
+        let target = match route {
+            Route::Network(t) => t,
+            Route::SameHost(local) => {
+                if req.src_pages.len() > u32::MAX as usize {
+                    return Err(FabricError::InvalidArgument("too many pages for one paged write".into()));
+                }
+                let copy = SameHostCopy::Paged(Pages {
+                    page_len: req.page_len,
+                    src_pages: req.src_pages.to_vec(),
+                    src_stride: req.src_stride,
+                    src_offset: req.src_offset,
+                    dst_pages: req.dst_pages.to_vec(),
+                    dst_stride: req.dst_stride,
+                    dst_offset: req.dst_offset,
+                });
+                return self.submit_same_host(req.src, req.dst, local, copy, req.imm, Notify::Callback(on_done));
+            }
+        };
+        let n = self.num_domains();
+        let start = self.rotate(req.src_pages.len());
+        let mut shards: Vec<Shard> = req
+            .src_pages
+            .iter()
+            .zip(req.dst_pages)
+            .enumerate()
+            .map(|(i, (&s, &d))| Shard {
+                peer: 0,
+                domain: ((start + i) % n) as u16,
+                src_offset: u64::from(s) * req.src_stride + req.src_offset,
+                len: req.page_len,
+                dst_offset: u64::from(d) * req.dst_stride + req.dst_offset,
+                imm: None,
+            })
+            .collect();
+        let deferred = plan_imms(&mut shards, &[req.imm]);
+        self.submit_transfer(Transfer {
+            region: req.src.0,
+            targets: vec![target],
+            shards,
+            deferred,
+            on_done: Notify::Callback(on_done),
+        })
+    }
+
+    fn submit_same_host(
+        &self,
+        src: MrHandle,
+        dst: &MrDescriptor,
+        local: SameHostDst,
+        copy: SameHostCopy,
+        imm: Option<u32>,
+        on_done: Notify,
+    ) -> Result<()> {
+        let imm = match imm {
+            Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
+            None => None,
+        };
+        self.command(Command::SameHost(SameHostTransfer { region: src.0, dst: local, copy, imm, on_done }))
+    }
+}

@@ -1,0 +1,75 @@
+//! The same-host channel: writes between processes (or engines) of one host where either side is
+//! GPU memory, carried out by CUDA instead of the NIC.
+//!
+//! - GPU → GPU: the destination allocation is opened once through its legacy IPC handle (cached
+//!   per (owner process, handle, local device); a region of this very process is used through its
+//!   pointer, since CUDA refuses to open a handle in the process that exported it). Contiguous
+//!   writes are one `cuMemcpyAsync` (copy engines, no SMs); paged writes are one launch of
+//!   cuda-lib's paged-copy kernel (`paged_copy_blocks` blocks, default 16) with both page index
+//!   arrays in mapped pinned host memory.
+//! - host → GPU: contiguous: `cuMemcpyAsync` from the (pageable) source into the IPC-mapped peer
+//!   memory; paged: the worker gathers the source pages into pinned staging memory, then the
+//!   kernel scatters them from there.
+//! - GPU → host: the peer's host memory cannot be opened through CUDA, so the data goes to
+//!   local pinned staging memory first (copy engine, or the kernel for pages), and once that
+//!   completed the worker writes it into the peer process with `process_vm_writev` (a plain
+//!   copy when the peer is this process). Needs ptrace permission over the peer (same user and
+//!   Yama `ptrace_scope` 0, or CAP_SYS_PTRACE).
+//!
+//! Every copy runs on a worker-owned stream per device and ends with an event; the worker polls
+//! those events alongside its completion queues (never a blocking synchronize). Completions of
+//! one device come in submission order.
+use crate::descriptor::{CudaIpc, MemoryKind};
+use crate::error::Result;
+
+mod channel;
+mod process_vm;
+mod to_gpu;
+mod to_host;
+
+pub(crate) use channel::SameHostChannel;
+
+/// The local side of a same-host write.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SameHostSrc {
+    pub kind: MemoryKind,
+    pub ptr: u64,
+}
+
+/// The destination region as its descriptor describes it.
+#[derive(Clone, Debug)]
+pub(crate) struct SameHostDst {
+    pub kind: MemoryKind,
+    /// The region's address in its owner's process.
+    pub base: u64,
+    /// The region's length (as its descriptor says; checked against the opened allocation).
+    pub len: u64,
+    pub pid: u32,
+    /// The owner's random process id (cache key).
+    pub process: u64,
+    pub same_process: bool,
+    pub cuda: Option<CudaIpc>,
+}
+
+/// Page `i` moves `page_len` bytes from `src_pages[i] * src_stride + src_offset` to
+/// `dst_pages[i] * dst_stride + dst_offset`.
+#[derive(Clone, Debug)]
+pub(crate) struct Pages {
+    pub page_len: u64,
+    pub src_pages: Vec<u32>,
+    pub src_stride: u64,
+    pub src_offset: u64,
+    pub dst_pages: Vec<u32>,
+    pub dst_stride: u64,
+    pub dst_offset: u64,
+}
+
+/// What to copy (already checked against both regions).
+#[derive(Clone, Debug)]
+pub(crate) enum SameHostCopy {
+    Contiguous { src_offset: u64, dst_offset: u64, len: u64 },
+    Paged(Pages),
+}
+
+/// A finished same-host copy: (request, source region, result).
+pub(crate) type SameHostDone = (u64, u64, Result<()>);

@@ -1,0 +1,1 @@
+"""Tests of one engine in one process: transfers, domains, the package."""

@@ -1,0 +1,1 @@
+"""Tests that need CUDA GPUs (they skip with the reason elsewhere)."""

@@ -1,0 +1,1 @@
+"""Tests across the hosts of the network-namespace test bed (root only)."""

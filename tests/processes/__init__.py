@@ -1,0 +1,1 @@
+"""Tests across OS processes on one machine (spawned ranks, loopback providers)."""

@@ -1,0 +1,164 @@
+"""What a faulty caller or peer can do to an engine from Python: extreme configuration, memory
+that is not there, engines dropped without stop(), forged bytes, a peer that stops answering.
+Every case must end in a typed FabricError (never a crash, a hang or a PanicException)."""
+
+from __future__ import annotations
+
+import gc
+import math
+import mmap
+import os
+import signal
+import time
+from typing import Any
+
+import fabric_lib
+import numpy as np
+import pytest
+from fabric_lib.errors import (
+    EngineStoppedError,
+    FabricError,
+    FabricTimeoutError,
+    InvalidArgumentError,
+    InvalidDescriptorError,
+    PeerFencedError,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .peer import peers
+
+BAD_OPTIONS: list[dict[str, Any]] = [
+    {"transfer_timeout": 1e19},
+    {"transfer_timeout": 1e20},
+    {"transfer_timeout": -1.0},
+    {"transfer_timeout": math.nan},
+    {"transfer_timeout": math.inf},
+    {"transfer_timeout": 0.0},
+    {"command_timeout": 1e300},
+    {"max_message_size": 2**30},
+    {"max_message_size": 0},
+    {"max_message_size": -5},
+    {"send_buffers": 10**9},
+    {"recv_buffers": 0},
+    {"recv_buffers": 65536, "max_message_size": 65536},
+    {"queue_depth": 0},
+    {"queue_depth": 2**40},
+    {"paged_copy_blocks": 0},
+    {"paged_copy_blocks": 2**32},
+    {"worker_cpu": 10**6},
+    {"worker_cpu": -1},
+    {"uvm_watcher_cpu": 2**63},
+    {"poll_mode": "sometimes"},
+    {"write_completion": "eventually"},
+    {"shard_min_bytes": -1},
+    {"max_message_size": "big"},
+]
+
+
+@pytest.mark.parametrize("options", BAD_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_bad_configuration_is_a_typed_error(options: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        fabric_lib.TransferEngine("tcp", **options)
+
+
+def test_bad_domain_argument_is_a_typed_error() -> None:
+    with pytest.raises(InvalidArgumentError):
+        fabric_lib.TransferEngine("tcp", 42)  # type: ignore[arg-type]
+
+
+def test_defaults_are_listed_once() -> None:
+    defaults = fabric_lib.engine_defaults()
+    assert defaults["transfer_timeout"] == 30.0 and defaults["write_completion"] == "auto"
+    with fabric_lib.TransferEngine("tcp", **{k: v for k, v in defaults.items() if v is not None}) as e:
+        assert e.main_address.provider.startswith("tcp")
+
+
+@pytest.mark.parametrize("timeout", [1e20, -1.0, math.nan])
+def test_extreme_wait_timeouts_are_typed_errors(timeout: float) -> None:
+    with fabric_lib.TransferEngine("tcp", poll_mode="adaptive") as e:
+        counter = e.imm_counter(1)
+        with pytest.raises(InvalidArgumentError):
+            counter.wait(1, timeout=timeout)
+
+
+def test_memory_that_is_not_there_cannot_be_registered() -> None:
+    with fabric_lib.TransferEngine("tcp", poll_mode="adaptive") as e:
+        with pytest.raises(InvalidArgumentError, match="not mapped"):
+            e.register_memory(0x1000, 4096, device=-1)
+        ro = mmap.mmap(-1, 8192, prot=mmap.PROT_READ)
+        ptr = np.frombuffer(ro, dtype=np.uint8).ctypes.data
+        with pytest.raises(InvalidArgumentError, match="not writable"):
+            e.register_memory(ptr, 8192, device=-1)
+        rw = np.zeros(8192, dtype=np.uint8)
+        region = e.register_memory(rw.ctypes.data, rw.nbytes, rw)
+        e.unregister_memory(region)
+
+
+def test_engine_dropped_without_stop_while_a_counter_lives() -> None:
+    """The native engine must not keep registrations of freed memory: the engine stops itself when
+    collected, the counter reports the stop, and a peer's large write lands nowhere."""
+    writer = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=3.0)
+    receiver = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=3.0)
+    buf = np.zeros(64 << 20, dtype=np.uint8)
+    descriptor = receiver.register_memory(buf.ctypes.data, buf.nbytes, buf).descriptor
+    counter = receiver.imm_counter(9)
+    del receiver, buf
+    gc.collect()
+    with pytest.raises(EngineStoppedError):
+        counter.wait(1, timeout=1.0)
+    src = np.ones(64 << 20, dtype=np.uint8)
+    region = writer.register_memory(src.ctypes.data, src.nbytes, src)
+    with pytest.raises(FabricError):
+        writer.submit_write(region, descriptor, imm=9).result(timeout=20)
+    writer.stop()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=400), cut=st.integers(0, 400), flip=st.integers(0, 8 * 400))
+def test_forged_address_and_descriptor_bytes_are_typed_errors(data: bytes, cut: int, flip: int) -> None:
+    real = _REAL_BYTES
+    candidates = [data, real[:cut], bytearray(real)]
+    if flip < 8 * len(real):
+        candidates[2][flip // 8] ^= 1 << (flip % 8)
+    for raw in candidates:
+        for cls in (fabric_lib.EngineAddress, fabric_lib.MrDescriptor):
+            try:
+                cls.from_bytes(bytes(raw))
+            except InvalidDescriptorError:
+                continue
+            assert bytes(raw) == real and cls is fabric_lib.EngineAddress, "forged bytes decoded"
+
+
+def _real_address_bytes() -> bytes:
+    with fabric_lib.TransferEngine("tcp", poll_mode="adaptive") as e:
+        return e.main_address.to_bytes()
+
+
+_REAL_BYTES = _real_address_bytes()
+
+
+# -- a peer that stops answering --------------------------------------------------------------
+def test_timed_out_peer_is_fenced_until_readmitted() -> None:
+    with peers("tcp", ["receiver"]) as (receiver,):
+        peer = fabric_lib.EngineAddress.from_bytes(receiver.address)
+        dst = fabric_lib.MrDescriptor.from_bytes(receiver.descriptor)
+        with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=2.0) as e:
+            src = np.ones(1 << 20, dtype=np.uint8)
+            region = e.register_memory(src.ctypes.data, src.nbytes, src)
+            e.submit_write(region, dst, imm=3).result(timeout=10)
+            os.kill(receiver.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(FabricTimeoutError) as timed_out:
+                    for _ in range(64):  # fill the socket buffers until a write stalls
+                        e.submit_write(region, dst, imm=3).result(timeout=10)
+                assert not isinstance(timed_out.value, PeerFencedError)
+                t = time.monotonic()
+                with pytest.raises(PeerFencedError):
+                    e.submit_write(region, dst, imm=3).result(timeout=10)
+                assert time.monotonic() - t < 1.0, "a fenced peer fails at once"
+            finally:
+                os.kill(receiver.pid, signal.SIGCONT)
+            assert e.readmit_peer(peer) is True
+            assert e.readmit_peer(peer) is False
+            e.submit_write(region, dst, imm=3).result(timeout=10)
