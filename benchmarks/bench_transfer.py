@@ -211,6 +211,7 @@ def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
 
 def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     mode = ["--adaptive"] if a.poll == "adaptive" else ["--busy"]
+    mode += ["--write-completion", a.write_completion]
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
     client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
@@ -321,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-iters", type=int, default=1_000, help="untimed round trips before measuring")
     p.add_argument(
         "--poll", choices=("busy", "adaptive"), default="busy", help="fabric-lib worker polling mode"
+    )
+    p.add_argument(
+        "--write-completion",
+        choices=("auto", "delivery", "transmit"),
+        default="auto",
+        help="when fabric-lib counts a write done (see TransferEngine): delivery or transmit completion",
     )
     p.add_argument(
         "--wait",

@@ -21,10 +21,6 @@ int shim_fi_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags) { retur
 int shim_fi_enable(struct fid_ep *ep) { return fi_enable(ep); }
 int shim_fi_close(struct fid *fid) { return fi_close(fid); }
 int shim_fi_getname(struct fid *fid, void *addr, size_t *addrlen) { return fi_getname(fid, addr, addrlen); }
-int shim_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count, uint64_t flags) {
-    return fi_av_remove(av, fi_addr, count, flags);
-}
-
 int shim_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags,
                       void *context) {
     return fi_av_insert(av, addr, count, fi_addr, flags, context);

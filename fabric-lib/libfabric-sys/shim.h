@@ -20,7 +20,6 @@ int shim_fi_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags);
 int shim_fi_enable(struct fid_ep *ep);
 int shim_fi_close(struct fid *fid);
 int shim_fi_getname(struct fid *fid, void *addr, size_t *addrlen);
-int shim_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count, uint64_t flags);
 int shim_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags, void *context);
 int shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access, uint64_t offset,
                    uint64_t requested_key, uint64_t flags, struct fid_mr **mr, void *context);

@@ -403,8 +403,7 @@ impl Worker {
         })
     }
 
-    /// Fences a peer after a timeout: no more posts to it, and its address-vector entries are
-    /// dropped, which also clears provider state stuck on it (a re-admitted peer starts afresh).
+    /// Fences a peer after a timeout: no more posts to it, and posts still queued for it fail.
     fn fence(&mut self, peer: &[Vec<u8>]) {
         let Some(first) = peer.first() else { return };
         if !self.fenced.insert(first.clone()) {
@@ -412,7 +411,7 @@ impl Worker {
         }
         tracing::warn!("fencing a peer after a request to it timed out; readmit_peer() lifts it");
         for (domain, endpoint) in peer.iter().enumerate().take(self.domains.len()) {
-            let Some(dest) = self.domains[domain].domain.forget_peer(endpoint) else { continue };
+            let Some(dest) = self.domains[domain].domain.known_peer(endpoint) else { continue };
             let stuck: Vec<PendingPost> = self.pending[domain].remove(&dest).map(Vec::from).unwrap_or_default();
             for post in stuck {
                 let e = FabricError::PeerFenced("the peer was fenced after a timeout".into());

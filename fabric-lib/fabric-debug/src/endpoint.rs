@@ -2,7 +2,9 @@
 use std::sync::Arc;
 
 use clap::Args;
-use fabric_lib::{EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, TransferEngine};
+use fabric_lib::{
+    EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, TransferEngine, WriteCompletion,
+};
 
 use crate::error::{Context, Result};
 
@@ -30,6 +32,10 @@ pub struct EngineArgs {
     /// Pin the engine's worker thread to this CPU.
     #[arg(long)]
     pub worker_cpu: Option<usize>,
+    /// When a write counts as done for its writer: `delivery` (in the receiver's memory),
+    /// `transmit` (source reusable) or `auto` (delivery on tcp and sockets, else transmit).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "delivery", "transmit"])]
+    pub write_completion: String,
 }
 
 impl EngineArgs {
@@ -61,6 +67,15 @@ impl EngineArgs {
         }
     }
 
+    /// The write completion the flag selects.
+    pub fn write_completion(&self) -> WriteCompletion {
+        match self.write_completion.as_str() {
+            "delivery" => WriteCompletion::Delivery,
+            "transmit" => WriteCompletion::Transmit,
+            _ => WriteCompletion::Auto,
+        }
+    }
+
     /// A short name of the poll mode, for reports.
     pub fn poll_mode_name(&self) -> &'static str {
         if self.adaptive {
@@ -88,6 +103,7 @@ impl Endpoint {
             provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain_names()? },
             poll_mode: args.poll_mode(),
             worker_cpu: args.worker_cpu,
+            write_completion: args.write_completion(),
             ..Default::default()
         };
         let wanted = args.provider.as_deref().unwrap_or("<auto>");

@@ -214,16 +214,11 @@ impl LibfabricDomain {
         Ok(fi_addr)
     }
 
-    /// Removes a peer from the address vector (a later `resolve_peer` inserts it afresh);
-    /// returns the `fi_addr_t` it had, if it was known.
-    pub fn forget_peer(&mut self, address: &[u8]) -> Option<sys::fi_addr_t> {
-        let mut fi_addr = self.peers.remove(address)?;
-        // SAFETY: av is open and `fi_addr` came from fi_av_insert on it.
-        let ret = unsafe { sys::shim_fi_av_remove(self.fids.av, &mut fi_addr, 1, 0) };
-        if ret != 0 {
-            tracing::warn!("fi_av_remove returned {ret}");
-        }
-        Some(fi_addr)
+    /// The `fi_addr_t` of a peer already in the address vector. Entries are never removed:
+    /// providers keep state per address (connections, retransmit queues) that operations still
+    /// in flight use, and libfabric 1.17 crashed when an entry went away under them.
+    pub fn known_peer(&self, address: &[u8]) -> Option<sys::fi_addr_t> {
+        self.peers.get(address).copied()
     }
 
     fn posted(call: &'static str, ret: isize) -> Result<Posted> {
