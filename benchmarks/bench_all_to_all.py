@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import os
 import sys
 import time
@@ -40,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fabric_lib.testing import gather, init_process_group, spawn_ranks, this_rank
+
+from benchmarks.report import write_result
 
 SLEEP_CYCLES = 600_000  # ~300 us at 1.98 GHz: the host enqueues one iteration meanwhile
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
@@ -336,7 +337,6 @@ def worker(_state: None, args: argparse.Namespace) -> None:
                 )
     if rank == 0:
         report = {
-            "benchmark": "bench_all_to_all",
             "device": torch.cuda.get_device_name(),
             "world_size": world,
             "nets_per_gpu": args.nets_per_gpu,
@@ -344,9 +344,7 @@ def worker(_state: None, args: argparse.Namespace) -> None:
             "results": results,
         }
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}")
+        write_result(out, "bench_all_to_all", None, vars(args), report)  # the shared result format
         plot(report, out.with_suffix(".png"))
     dist.barrier()
     dist.destroy_process_group()

@@ -29,13 +29,14 @@ that every NIC carries its share.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "flbench"
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=2, help="hosts (rank 0 sends to the others in turn)")
     p.add_argument("--nics", type=int, nargs="+", default=[1, 2, 4], help="NICs per host, one run each")
-    p.add_argument("--page-kib", type=int, default=64)
+    p.add_argument("--page-kib", type=int, default=64, help="page size in KiB")
     p.add_argument("--pages", type=int, default=10000, help="pages per iteration")
     p.add_argument("--batch", type=int, default=1000, help="pages per submit_paged_writes request")
     p.add_argument(
@@ -237,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rounds", type=int, default=2, help="runs of every K, interleaved (1, 2, 4, 1, 2, 4, ...)"
     )
-    p.add_argument("--poll-mode", choices=["busy", "adaptive"], default="busy")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--poll-mode", choices=["busy", "adaptive"], default="busy", help="engine worker polling mode"
+    )
+    p.add_argument("--seed", type=int, default=1, help="seed of the random page indices")
     p.add_argument(
         "--pin-workers",
         type=int,
@@ -247,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pin host i's engine worker thread to CPU i mod len (default: not pinned)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for each K's run")
-    p.add_argument("--json-out", default=str(REPO / "bench-results" / "bench_multi_nic.json"))
+    p.add_argument(
+        "--json-out",
+        default=str(REPO / "bench-results" / "bench_multi_nic.json"),
+        help="result file (shared format of benchmarks/report.py)",
+    )
     a = p.parse_args(argv)
     if a.hosts < 2 or any(k < 1 for k in a.nics) or a.pages < 1 or a.batch < 1 or a.iters < 1 or a.rounds < 1:
         p.error("need --hosts >= 2 and positive --nics, --pages, --batch, --iters")
@@ -278,22 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         # Best iteration vs best iteration: less sensitive to other load on a shared machine.
         r["best_ratio_vs_1nic"] = round(r["payload_gbps_max"] / base["payload_gbps_max"], 3) if base else None
     print_table(rows, a)
-    out = {
-        "benchmark": "bench_multi_nic",
-        "config": {k: v for k, v in vars(a).items() if k != "json_out"},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-        },
-        "results": rows,
+    config = {k: v for k, v in vars(a).items() if k != "json_out"}
+    results = {
+        "rows": rows,
+        "platform": platform.platform(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
     }
-    path = Path(a.json_out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(Path(a.json_out), "bench_multi_nic", "tcp", config, results)
     return 0
 
 

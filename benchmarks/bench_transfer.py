@@ -6,11 +6,11 @@ Builds `fabric-debug` (``cargo build --release -p fabric-debug``) if its binary 
 compiles ``benchmarks/raw_libfabric/raw_write.c`` into ``<target>/raw_libfabric/``, then runs a
 server/client pair of each on loopback with the same sizes, window and repetitions, and prints
 one table: throughput per size (raw, fabric-lib, ratio), 64-byte op rate, and imm round-trip
-latency. Results go to ``bench-results/bench_transfer.json`` unless ``--json-out`` says
-otherwise. A failed run exits non-zero with the child's stderr; every child is bounded by a
-timeout and killed when this script exits. The issue's targets (fabric-lib >= 90% of raw
-throughput at 1, 16 and 64 MiB; >= 80% of raw op rate at 64 B) are reported, not asserted.
-See docs/benchmarks.md.
+latency. Results go to ``bench-results/bench_transfer.json`` (the shared result format of
+``benchmarks/report.py``) with a throughput plot beside it, unless ``--json-out`` says
+otherwise; ``python -m benchmarks.compare A.json B.json`` compares two runs. A failed run exits
+non-zero with the child's stderr; every child is bounded by a timeout and killed when this script
+exits. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.report import progress, write_result
+
 REPO = Path(__file__).resolve().parent.parent
 RAW_SOURCE = REPO / "benchmarks" / "raw_libfabric" / "raw_write.c"
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
-THROUGHPUT_TARGET = 0.90
-THROUGHPUT_TARGET_SIZES = (1 << 20, 16 << 20, 64 << 20)
-OP_RATE_TARGET = 0.80
 
 _children: list[subprocess.Popen] = []
 
@@ -241,17 +240,8 @@ def compare(raw_rounds: list[dict], fab_rounds: list[dict], sizes: list[int]) ->
     for size in sizes:
         raw = combine(raw_rounds, size_pick(size, "gbytes_per_s"))
         fab = combine(fab_rounds, size_pick(size, "gbytes_per_s"))
-        target = THROUGHPUT_TARGET if size in THROUGHPUT_TARGET_SIZES else None
-        r = ratio(raw, fab)
         rows.append(
-            {
-                "size": size,
-                "raw_gbytes_per_s": raw,
-                "fabric_lib_gbytes_per_s": fab,
-                "ratio": r,
-                "target": target,
-                "meets_target": None if target is None or r is None else r >= target,
-            }
+            {"size": size, "raw_gbytes_per_s": raw, "fabric_lib_gbytes_per_s": fab, "ratio": ratio(raw, fab)}
         )
     op = lambda r: (r.get("op_rate") or {}).get("mops_per_s")  # noqa: E731
     raw_op, fab_op = combine(raw_rounds, op), combine(fab_rounds, op)
@@ -267,8 +257,6 @@ def compare(raw_rounds: list[dict], fab_rounds: list[dict], sizes: list[int]) ->
             "raw_mops_per_s": raw_op,
             "fabric_lib_mops_per_s": fab_op,
             "ratio": op_ratio,
-            "target": OP_RATE_TARGET,
-            "meets_target": None if op_ratio is None else op_ratio >= OP_RATE_TARGET,
         },
         "rtt": lat,
     }
@@ -281,51 +269,60 @@ def fmt(v: float | None, spec: str) -> str:
 def table(cmp: dict, a: argparse.Namespace, provider: str) -> str:
     out = [
         f"provider {provider}, window {a.window}, op window {a.op_window}, {a.reps} reps x {a.rounds} round(s), "
-        f"poll {a.poll}; medians",
+        f"poll {a.poll}; medians. Baseline: a raw libfabric loop (the provider's ceiling); "
+        "ratio = fabric-lib / baseline.",
         "",
-        f"{'size':>8} {'raw GB/s':>9} {'fabric GB/s':>11} {'ratio':>6}  target",
+        f"{'size':>8} {'fabric-lib GB/s':>15} {'baseline GB/s':>13} {'ratio':>6}",
     ]
     for row in cmp["throughput"]:
-        verdict = (
-            ""
-            if row["target"] is None
-            else (f">={row['target']:.2f} " + {True: "met", False: "MISSED", None: "?"}[row["meets_target"]])
-        )
         out.append(
-            f"{format_size(row['size']):>8} {fmt(row['raw_gbytes_per_s'], '9.3f')} "
-            f"{fmt(row['fabric_lib_gbytes_per_s'], '11.3f')} {fmt(row['ratio'], '6.2f')}  {verdict}"
+            f"{format_size(row['size']):>8} {fmt(row['fabric_lib_gbytes_per_s'], '15.3f')} "
+            f"{fmt(row['raw_gbytes_per_s'], '13.3f')} {fmt(row['ratio'], '6.2f')}"
         )
     op = cmp["op_rate"]
-    verdict = {True: "met", False: "MISSED", None: "?"}[op["meets_target"]]
     out += [
         "",
-        f"op rate, 64 B writes with imm: raw {fmt(op['raw_mops_per_s'], '.3f')} Mops/s, fabric-lib "
-        f"{fmt(op['fabric_lib_mops_per_s'], '.3f')} Mops/s, ratio {fmt(op['ratio'], '.2f')} "
-        f"(target >={op['target']:.2f} {verdict})",
+        f"op rate, 64 B writes with imm: fabric-lib {fmt(op['fabric_lib_mops_per_s'], '.3f')} Mops/s, "
+        f"baseline {fmt(op['raw_mops_per_s'], '.3f')} Mops/s, ratio {fmt(op['ratio'], '.2f')}",
     ]
     lat = cmp["rtt"]
     out.append(
         f"imm round trip: fabric-lib p50 {fmt(lat['fabric_lib_p50_us'], '.1f')} us, p99 "
-        f"{fmt(lat['fabric_lib_p99_us'], '.1f')} us (raw loop: p50 {fmt(lat['raw_p50_us'], '.1f')} us, "
+        f"{fmt(lat['fabric_lib_p99_us'], '.1f')} us (baseline: p50 {fmt(lat['raw_p50_us'], '.1f')} us, "
         f"p99 {fmt(lat['raw_p99_us'], '.1f')} us)"
     )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--provider", default="tcp")
-    p.add_argument("--domain", default=None, help="default: lo for software providers")
-    p.add_argument("--sizes", default=DEFAULT_SIZES)
-    p.add_argument("--window", type=int, default=16)
-    p.add_argument("--op-window", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=1, help="alternate raw/fabric-lib runs this many times")
-    p.add_argument("--bytes-per-rep", type=parse_size, default=512 << 20)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--provider", default="tcp", help="libfabric provider (tcp, udp;ofi_rxd, shm, efa, verbs;ofi_rxm)"
+    )
+    p.add_argument(
+        "--domain", default=None, help="domain (NIC or interface) to use; default: lo for software providers"
+    )
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated write sizes (K/M/G suffixes)")
+    p.add_argument("--window", type=int, default=16, help="writes in flight during the throughput test")
+    p.add_argument("--op-window", type=int, default=64, help="writes in flight during the op-rate test")
+    p.add_argument(
+        "--reps", type=int, default=5, help="timed repetitions per measurement (the median is reported)"
+    )
+    p.add_argument("--rounds", type=int, default=1, help="alternate baseline/fabric-lib runs this many times")
+    p.add_argument(
+        "--bytes-per-rep",
+        type=parse_size,
+        default=512 << 20,
+        help="bytes moved per throughput repetition (at least)",
+    )
     p.add_argument("--ops", type=int, default=200_000, help="64-byte writes per op-rate repetition")
     p.add_argument("--iters", type=int, default=10_000, help="measured round trips")
-    p.add_argument("--warmup-iters", type=int, default=1_000)
-    p.add_argument("--poll", choices=("busy", "adaptive"), default="busy")
+    p.add_argument("--warmup-iters", type=int, default=1_000, help="untimed round trips before measuring")
+    p.add_argument(
+        "--poll", choices=("busy", "adaptive"), default="busy", help="fabric-lib worker polling mode"
+    )
     p.add_argument(
         "--write-completion",
         choices=("auto", "delivery", "transmit"),
@@ -340,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per server/client run")
     p.add_argument("--rebuild", action="store_true", help="run cargo build even if the binary exists")
-    p.add_argument("--json-out", type=Path, default=REPO / "bench-results" / "bench_transfer.json")
+    p.add_argument(
+        "--json-out",
+        type=Path,
+        default=REPO / "bench-results" / "bench_transfer.json",
+        help="result file (a PNG plot is written beside it)",
+    )
     a = p.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
@@ -354,11 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         raw_bin = raw_binary(a.timeout)
         raw_rounds, fab_rounds = [], []
         with tempfile.TemporaryDirectory(prefix="bench_transfer.") as tmp:
-            for i in range(a.rounds):
-                print(f"round {i + 1}/{a.rounds}: raw libfabric ...", file=sys.stderr)
-                raw_rounds.append(run_raw(a, raw_bin, Path(tmp)))
-                print(f"round {i + 1}/{a.rounds}: fabric-lib ...", file=sys.stderr)
-                fab_rounds.append(run_fabric(a, fabric_bin, Path(tmp)))
+            phases = [(i, tool) for i in range(a.rounds) for tool in ("baseline", "fabric-lib")]
+            for _, tool in progress(phases, desc="bench_transfer (baseline and fabric-lib runs)"):
+                if tool == "baseline":
+                    raw_rounds.append(run_raw(a, raw_bin, Path(tmp)))
+                else:
+                    fab_rounds.append(run_fabric(a, fabric_bin, Path(tmp)))
     except BenchError as e:
         print(f"bench_transfer: {e}", file=sys.stderr)
         return 1
@@ -369,17 +372,22 @@ def main(argv: list[str] | None = None) -> int:
     cmp = compare(raw_rounds, fab_rounds, sizes)
     provider = fab_rounds[-1].get("provider", a.provider)
     print(table(cmp, a, provider))
-    result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-        "machine": {"cpus": os.cpu_count(), "loadavg_before_report": os.getloadavg()},
-        "provider": provider,
-        "comparison": cmp,
-        "raw": raw_rounds,
-        "fabric_lib": fab_rounds,
+    throughput = {
+        "fabric-lib": [
+            {"size": r["size"], "gbytes_per_s": r["fabric_lib_gbytes_per_s"]} for r in cmp["throughput"]
+        ],
+        "raw libfabric (baseline)": [
+            {"size": r["size"], "gbytes_per_s": r["raw_gbytes_per_s"]} for r in cmp["throughput"]
+        ],
     }
-    a.json_out.parent.mkdir(parents=True, exist_ok=True)
-    a.json_out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {a.json_out}", file=sys.stderr)
+    results = {
+        "comparison": cmp,
+        "throughput": throughput,
+        "baseline_rounds": raw_rounds,
+        "fabric_lib_rounds": fab_rounds,
+    }
+    print(file=sys.stderr)
+    write_result(a.json_out, "bench_transfer", provider, vars(a), results)
     return 0
 
 

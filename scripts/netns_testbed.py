@@ -62,7 +62,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         bed.close(raise_errors=False)
         raise
     print(bed.describe())
-    print(f"  enter a host: ip netns exec {bed.ns(0)} bash;  remove: {sys.argv[0]} down --prefix {args.prefix}")
+    print(
+        f"  enter a host: ip netns exec {bed.ns(0)} bash;  remove: {sys.argv[0]} down --prefix {args.prefix}"
+    )
     return 0
 
 
@@ -106,12 +108,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not r.ok and status == 0:
             status = 124 if r.killed else (r.returncode or 1)
     for h, nics in counters.items():
-        print(f"host {h} counters: " + "  ".join(f"{n} tx={c['tx_bytes']} rx={c['rx_bytes']}" for n, c in nics.items()))
+        print(
+            f"host {h} counters: "
+            + "  ".join(f"{n} tx={c['tx_bytes']} rx={c['rx_bytes']}" for n, c in nics.items())
+        )
     return status
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     def common(p: argparse.ArgumentParser, sizes: bool = True) -> None:

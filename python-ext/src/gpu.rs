@@ -2,10 +2,9 @@
 use std::time::Duration;
 
 use fabric_lib::{gpu, GpuFlag, SignalStream, UvmWatcher};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::errors::IntoPyResult;
+use crate::errors::{to_pyerr, IntoPyResult};
 
 /// A GPU-written word watched by a CPU thread (see `TransferEngine.alloc_uvm_watcher`).
 #[pyclass(name = "UvmWatcher", module = "fabric_lib._rust", frozen)]
@@ -98,7 +97,7 @@ impl PySignalStream {
     #[pyo3(signature = (flag, expected, timeout, slot=0))]
     fn flag_poll(&self, py: Python<'_>, flag: u64, expected: u64, timeout: f64, slot: usize) -> PyResult<()> {
         if !(timeout.is_finite() && timeout >= 0.0) {
-            return Err(PyValueError::new_err("timeout must be a finite, non-negative number of seconds"));
+            return Err(bad_timeout(py));
         }
         // SAFETY: as for write_u64.
         unsafe { self.0.flag_poll(flag, expected, Duration::from_secs_f64(timeout), slot) }.py(py)
@@ -112,7 +111,7 @@ impl PySignalStream {
     /// Waits until the stream is idle; False if `timeout` seconds passed first.
     fn synchronize(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         if !(timeout.is_finite() && timeout >= 0.0) {
-            return Err(PyValueError::new_err("timeout must be a finite, non-negative number of seconds"));
+            return Err(bad_timeout(py));
         }
         py.detach(|| self.0.wait(Duration::from_secs_f64(timeout))).py(py)
     }
@@ -147,4 +146,10 @@ pub fn memory_kind(ptr: u64) -> String {
         fabric_lib::MemoryKind::Host => "host".into(),
         fabric_lib::MemoryKind::Cuda(d) => format!("cuda:{d}"),
     }
+}
+
+/// The error for a timeout that is negative, infinite or NaN.
+fn bad_timeout(py: Python<'_>) -> PyErr {
+    let message = "timeout must be a finite, non-negative number of seconds".to_string();
+    to_pyerr(py, fabric_lib::FabricError::InvalidArgument(message))
 }

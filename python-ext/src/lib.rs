@@ -8,6 +8,7 @@ mod config;
 mod engine;
 mod errors;
 mod gpu;
+mod logging;
 mod values;
 
 /// Lists the (provider, domain) pairs an engine can open on this machine.
@@ -36,10 +37,7 @@ fn gpu_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("FABRIC_LIB_LOG"))
-        .with_writer(std::io::stderr)
-        .try_init();
+    logging::route_to_python(m.py());
     m.add_class::<engine::PyTransferEngine>()?;
     m.add_class::<values::PyEngineAddress>()?;
     m.add_class::<values::PyMrDescriptor>()?;

@@ -67,8 +67,22 @@ impl PyMrDescriptor {
         MrDescriptor::from_bytes(data).py(py).map(Self)
     }
 
+    /// Parses `to_hex()` output; raises InvalidDescriptorError on anything else.
+    #[classmethod]
+    fn from_hex(_cls: &Bound<'_, PyType>, py: Python<'_>, text: &str) -> PyResult<Self> {
+        let bytes = hex::decode(text.trim())
+            .map_err(|e| fabric_lib::FabricError::InvalidDescriptor(format!("memory descriptor is not hex: {e}")))
+            .py(py)?;
+        MrDescriptor::from_bytes(&bytes).py(py).map(Self)
+    }
+
     fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.0.to_bytes())
+    }
+
+    /// The `to_bytes()` encoding as lower-case hex, for text channels (logs, JSON, env vars).
+    fn to_hex(&self) -> String {
+        hex::encode(self.0.to_bytes())
     }
 
     /// Address of the region in its owner's process.

@@ -5,9 +5,14 @@ Importing this package needs neither CUDA nor an RDMA device.
 
 from __future__ import annotations
 
+from ._loader import load_native
+
+load_native()  # first: a missing libfabric gets an ImportError saying what to install
+
 from ._rust import ENCODING_VERSION, engine_defaults, list_providers
 from .engine import EngineAddress, MemoryRegion, MrDescriptor, TransferEngine
 from .errors import (
+    CallbackThreadError,
     CudaError,
     CudaUnavailableError,
     EngineStoppedError,
@@ -23,6 +28,7 @@ from .imm_counter import ImmCounter
 
 __all__ = [
     "ENCODING_VERSION",
+    "CallbackThreadError",
     "CudaError",
     "CudaUnavailableError",
     "EngineAddress",

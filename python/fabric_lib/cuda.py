@@ -40,7 +40,7 @@ def kernels() -> tuple[bool, str]:
 
 
 def memory_kind(ptr: int) -> str:
-    """"host" or "cuda:N" for an address (does not load CUDA if this process has not)."""
+    """ "host" or "cuda:N" for an address (does not load CUDA if this process has not)."""
     return _rust.memory_kind(ptr)
 
 

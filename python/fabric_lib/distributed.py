@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .engine import EngineAddress, MrDescriptor, TransferEngine
+from .errors import InvalidArgumentError
 
 __all__ = ["PeerInfo", "exchange", "rendezvous_port"]
 
@@ -34,7 +35,9 @@ def exchange(
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+        raise InvalidArgumentError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group first"
+        )
     mine = (engine.main_address.to_bytes(), [d.to_bytes() for d in descriptors])
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)

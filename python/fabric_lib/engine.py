@@ -9,13 +9,14 @@ operations are ordered with respect to each other. Every ``submit_*`` returns a
 from __future__ import annotations
 
 import array
+import ctypes
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, overload
 
-from . import _rust
-from ._futures import completion_future, guarded
+from . import _fork, _rust
+from ._futures import ExpectationFuture, completion_future, guarded
 from .errors import InvalidArgumentError
 from .imm_counter import ImmCounter
 from .topology import Topology, detect_topology
@@ -27,7 +28,16 @@ OnDone = Callable[[BaseException | None], None]
 UvmWatcher = _rust.UvmWatcher
 GpuFlag = _rust.GpuFlag
 
-__all__ = ["EngineAddress", "GpuFlag", "MemoryRegion", "MrDescriptor", "TransferEngine", "UvmWatcher"]
+__all__ = [
+    "Destination",
+    "EngineAddress",
+    "GpuFlag",
+    "MemoryRegion",
+    "MrDescriptor",
+    "Peer",
+    "TransferEngine",
+    "UvmWatcher",
+]
 
 
 class MemoryRegion:
@@ -46,16 +56,67 @@ class MemoryRegion:
 
     @property
     def kind(self) -> str:
-        """"host" or "cuda:N"."""
+        """The memory kind: "host" or "cuda:N"."""
         return self.descriptor.kind
 
 
-def _as_descriptor(dst: MrDescriptor | bytes) -> MrDescriptor:
-    return dst if isinstance(dst, MrDescriptor) else MrDescriptor.from_bytes(bytes(dst))
+#: Where a write goes: the peer region's descriptor, its ``to_bytes()``/``to_hex()`` form, or (for
+#: an engine in the same process) the MemoryRegion itself.
+Destination = MrDescriptor | MemoryRegion | bytes | str
+#: A peer engine: its address or the address's ``to_bytes()``/``to_hex()`` form.
+Peer = EngineAddress | bytes | str
 
 
-def _as_address(peer: EngineAddress | bytes) -> EngineAddress:
-    return peer if isinstance(peer, EngineAddress) else EngineAddress.from_bytes(bytes(peer))
+def _as_descriptor(dst: Destination) -> MrDescriptor:
+    """The peer region to write into: its descriptor, its bytes or hex, or (same process) the
+    MemoryRegion itself."""
+    if isinstance(dst, MrDescriptor):
+        return dst
+    if isinstance(dst, MemoryRegion):
+        return dst.descriptor
+    if isinstance(dst, str):
+        return MrDescriptor.from_hex(dst)
+    if isinstance(dst, (bytes, bytearray, memoryview)):
+        return MrDescriptor.from_bytes(bytes(dst))
+    raise InvalidArgumentError(
+        f"dst must be the peer region's MrDescriptor (region.descriptor, or its to_bytes()/to_hex() "
+        f"form), not {_kind_of(dst)}"
+    )
+
+
+def _as_region(src: MemoryRegion, name: str = "src") -> MemoryRegion:
+    """The local source region; a tensor or a descriptor here is a common mistake, named as such."""
+    if isinstance(src, MemoryRegion):
+        return src
+    if hasattr(src, "data_ptr"):
+        raise InvalidArgumentError(
+            f"{name} must be a MemoryRegion, not a tensor: register it first "
+            f"(region = engine.register_tensor(tensor)) and pass the region"
+        )
+    if isinstance(src, MrDescriptor):
+        raise InvalidArgumentError(
+            f"{name} must be a local MemoryRegion from this engine's register_tensor/register_memory; "
+            "an MrDescriptor names a peer's region and can only be a destination"
+        )
+    raise InvalidArgumentError(
+        f"{name} must be a MemoryRegion (from register_tensor/register_memory), not {_kind_of(src)}"
+    )
+
+
+def _kind_of(value: object) -> str:
+    return "a tensor" if hasattr(value, "data_ptr") else f"{type(value).__name__}"
+
+
+def _as_address(peer: Peer) -> EngineAddress:
+    if isinstance(peer, EngineAddress):
+        return peer
+    if isinstance(peer, str):
+        return EngineAddress.from_hex(peer)
+    if isinstance(peer, (bytes, bytearray, memoryview)):
+        return EngineAddress.from_bytes(bytes(peer))
+    raise InvalidArgumentError(
+        f"peer must be an EngineAddress (engine.main_address, or its to_bytes()/to_hex() form), not {_kind_of(peer)}"
+    )
 
 
 def _check_imm(imm: int | None) -> None:
@@ -145,6 +206,9 @@ class TransferEngine:
     ``ProviderUnavailableError`` saying so. CUDA is loaded on first GPU use only.
     """
 
+    # The native engine, refused (EngineStoppedError) in a child forked after it was created.
+    _native = _fork.ForkGuarded[_rust.TransferEngine]()
+
     def __init__(
         self,
         provider: str | None = None,
@@ -190,7 +254,9 @@ class TransferEngine:
             "gpu_network": gpu_network,
             "force_network": force_network,
         }
-        native = _rust.TransferEngine(provider, domains, **{k: v for k, v in options.items() if v is not None})
+        native = _rust.TransferEngine(
+            provider, domains, **{k: v for k, v in options.items() if v is not None}
+        )
         self._native = native
         self._regions: dict[int, MemoryRegion] = {}
         self._lock = threading.Lock()
@@ -245,11 +311,34 @@ class TransferEngine:
         elif tensor.device.type == "cuda":
             device = tensor.device.index if tensor.device.index is not None else 0
         else:
-            raise InvalidArgumentError(f"tensor is on {tensor.device}; only CPU and CUDA tensors can be registered")
+            raise InvalidArgumentError(
+                f"tensor is on {tensor.device}; only CPU and CUDA tensors can be registered"
+            )
         length = tensor.numel() * tensor.element_size()
         return self._register(tensor.data_ptr(), length, tensor, device)
 
-    def register_memory(self, ptr: int, length: int, owner: Any = None, *, device: int | None = None) -> MemoryRegion:
+    def register_buffer(self, buffer: Any) -> MemoryRegion:
+        """Registers host memory of any writable, contiguous Python buffer (``bytearray``,
+        ``mmap``, a numpy array, ...); no torch needed. The region keeps the buffer alive, and the
+        buffer cannot be resized while registered."""
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"expected a writable buffer (bytearray, mmap, numpy array), not {_kind_of(buffer)}"
+            ) from None
+        if view.readonly:
+            raise InvalidArgumentError("the buffer is read-only (bytes are immutable: use a bytearray)")
+        if not view.c_contiguous:
+            raise InvalidArgumentError("the buffer must be C-contiguous")
+        if view.nbytes == 0:
+            raise InvalidArgumentError("the buffer is empty")
+        window = (ctypes.c_char * view.nbytes).from_buffer(view)  # pins the buffer's memory
+        return self._register(ctypes.addressof(window), view.nbytes, (buffer, window), -1)
+
+    def register_memory(
+        self, ptr: int, length: int, owner: Any = None, *, device: int | None = None
+    ) -> MemoryRegion:
         """Registers raw memory ``[ptr, ptr + length)``: host memory, or CUDA device memory
         (detected, or given as ``device``; -1 forces host).
 
@@ -275,10 +364,38 @@ class TransferEngine:
             self._regions.pop(handle, None)
 
     # -- one-sided --------------------------------------------------------------------------
+    @overload
     def submit_write(
         self,
         src: MemoryRegion,
-        dst: MrDescriptor | bytes,
+        dst: Destination,
+        length: int | None = None,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        domain: int | None = None,
+        shard_domains: int | None = None,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_write(
+        self,
+        src: MemoryRegion,
+        dst: Destination,
+        length: int | None = None,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        domain: int | None = None,
+        shard_domains: int | None = None,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_write(
+        self,
+        src: MemoryRegion,
+        dst: Destination,
         length: int | None = None,
         *,
         src_offset: int = 0,
@@ -298,6 +415,7 @@ class TransferEngine:
         Large writes (≥ ``shard_min_bytes``) are sharded over up to ``shard_domains`` domains
         (default: all); ``domain`` pins the write to one domain instead.
         """
+        src = _as_region(src)
         if length is None:
             length = src.length - src_offset
         _check_imm(imm)
@@ -316,12 +434,44 @@ class TransferEngine:
         )
         return future
 
+    @overload
     def submit_paged_writes(
         self,
         page_len: int,
         src: MemoryRegion,
         src_pages: Sequence[int],
-        dst: MrDescriptor | bytes,
+        dst: Destination,
+        dst_pages: Sequence[int],
+        *,
+        src_stride: int | None = None,
+        src_offset: int = 0,
+        dst_stride: int | None = None,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_paged_writes(
+        self,
+        page_len: int,
+        src: MemoryRegion,
+        src_pages: Sequence[int],
+        dst: Destination,
+        dst_pages: Sequence[int],
+        *,
+        src_stride: int | None = None,
+        src_offset: int = 0,
+        dst_stride: int | None = None,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_paged_writes(
+        self,
+        page_len: int,
+        src: MemoryRegion,
+        src_pages: Sequence[int],
+        dst: Destination,
         dst_pages: Sequence[int],
         *,
         src_stride: int | None = None,
@@ -338,6 +488,7 @@ class TransferEngine:
         ``imm`` arrives once at the receiver, after all pages.
         """
         _check_imm(imm)
+        src = _as_region(src)
         _check_non_negative(page_len=page_len, src_offset=src_offset, dst_offset=dst_offset)
         future, callback = self._completion(on_done)
         self._native.submit_paged_writes(
@@ -355,14 +506,36 @@ class TransferEngine:
         )
         return future
 
-    def add_peer_group(self, peers: Sequence[EngineAddress | bytes]) -> int:
+    def add_peer_group(self, peers: Sequence[Peer]) -> int:
         """Registers peer engines for ``submit_scatter``/``submit_barrier``; returns the group id."""
         return self._native.add_peer_group([_as_address(p) for p in peers])
 
+    @overload
     def submit_scatter(
         self,
         src: MemoryRegion,
-        targets: Sequence[tuple[int, int, MrDescriptor | bytes, int]],
+        targets: Sequence[tuple[int, int, Destination, int]],
+        *,
+        imm: int | None = None,
+        group: int | None = None,
+        shard_by: Literal["peer", "bytes"] = "peer",
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_scatter(
+        self,
+        src: MemoryRegion,
+        targets: Sequence[tuple[int, int, Destination, int]],
+        *,
+        imm: int | None = None,
+        group: int | None = None,
+        shard_by: Literal["peer", "bytes"] = "peer",
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_scatter(
+        self,
+        src: MemoryRegion,
+        targets: Sequence[tuple[int, int, Destination, int]],
         *,
         imm: int | None = None,
         group: int | None = None,
@@ -378,6 +551,7 @@ class TransferEngine:
         _check_imm(imm)
         if shard_by not in ("peer", "bytes"):
             raise InvalidArgumentError(f"shard_by must be 'peer' or 'bytes', not {shard_by!r}")
+        src = _as_region(src)
         native_targets = []
         for length, src_offset, dst, dst_offset in targets:
             _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
@@ -386,15 +560,57 @@ class TransferEngine:
         self._native.submit_scatter(group, src.handle, native_targets, imm, shard_by == "bytes", callback)
         return future
 
-    def submit_barrier(self, imm: int, group: int, *, on_done: OnDone | None = None) -> Future[None] | None:
+    @overload
+    def submit_barrier(
+        self,
+        imm: int,
+        group: int,
+        *,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_barrier(
+        self,
+        imm: int,
+        group: int,
+        *,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_barrier(
+        self,
+        imm: int,
+        group: int,
+        *,
+        on_done: OnDone | None = None,
+    ) -> Future[None] | None:
         """Sends ``imm`` to every member of ``group``; each member counts it once."""
         _check_imm(imm)
         future, callback = self._completion(on_done)
         self._native.submit_barrier(imm, group, callback)
         return future
 
+    @overload
     def submit_imm(
-        self, imm: int, dst: MrDescriptor | EngineAddress | bytes, *, on_done: OnDone | None = None
+        self,
+        imm: int,
+        dst: Destination | EngineAddress,
+        *,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_imm(
+        self,
+        imm: int,
+        dst: Destination | EngineAddress,
+        *,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_imm(
+        self,
+        imm: int,
+        dst: Destination | EngineAddress,
+        *,
+        on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Sends only an immediate: a zero-byte write into ``dst``'s region, or into the peer
         engine's own immediate slot when ``dst`` is an EngineAddress."""
@@ -409,8 +625,28 @@ class TransferEngine:
         return future
 
     # -- two-sided --------------------------------------------------------------------------
+    @overload
     def submit_send(
-        self, peer: EngineAddress | bytes, data: bytes, *, on_done: OnDone | None = None
+        self,
+        peer: Peer,
+        data: bytes,
+        *,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_send(
+        self,
+        peer: Peer,
+        data: bytes,
+        *,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_send(
+        self,
+        peer: Peer,
+        data: bytes,
+        *,
+        on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Sends a small message (≤ ``max_message_size`` bytes) to ``peer``'s receive callback."""
         future, callback = self._completion(on_done)
@@ -448,7 +684,7 @@ class TransferEngine:
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
         """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an
         immediate count set it (``set_imm_count_expected(..., flag=flag)``). Mapped pinned host
-        memory (no GDRCopy needed)."""
+        memory (GDRCopy is not used)."""
         return self._native.alloc_gpu_flag(device)
 
     # -- immediates -------------------------------------------------------------------------
@@ -475,9 +711,11 @@ class TransferEngine:
         self._native.set_imm_count_expected(imm, count, guarded(on_reached))
 
     def expect_imm_count(self, imm: int, count: int) -> Future[None]:
-        """Future form of ``set_imm_count_expected``."""
-        future, settle = completion_future()
-        self._native.set_imm_count_expected(imm, count, lambda: settle(None))
+        """Future form of ``set_imm_count_expected``. ``cancel()`` on the Future (also through
+        ``asyncio.wrap_future`` when the awaiting task is cancelled) removes the expectation."""
+        native = self._native
+        future = ExpectationFuture(lambda: native.remove_imm_count(imm))
+        native.set_imm_count_expected(imm, count, future.settle)
         return future
 
     def remove_imm_count(self, imm: int) -> int:
@@ -494,8 +732,15 @@ class TransferEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stops the engine: in-flight requests fail with EngineStoppedError. Idempotent."""
+        """Stops the engine: in-flight requests fail with EngineStoppedError. Idempotent; a no-op
+        in a forked child (the engine belongs to the parent and is unusable there)."""
+        if _fork.inherited(self):
+            return
         self._finalizer()
+
+    def _after_fork_in_child(self) -> None:
+        """Called in a forked child: the parent's engine must never be stopped from here."""
+        self._finalizer.detach()
 
     @property
     def stopped(self) -> bool:
@@ -508,6 +753,10 @@ class TransferEngine:
         self.stop()
 
     def _completion(self, on_done: OnDone | None) -> tuple[Future[None] | None, OnDone]:
+        if on_done is not None and not callable(on_done):
+            raise InvalidArgumentError(
+                f"on_done must be callable (called with None or the error), not {_kind_of(on_done)}"
+            )
         if on_done is not None:
             return None, guarded(on_done)
         return completion_future()

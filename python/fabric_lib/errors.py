@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CallbackThreadError",
     "CudaError",
     "CudaUnavailableError",
     "EngineStoppedError",
@@ -57,3 +58,8 @@ class CudaUnavailableError(FabricError):
 
 class CudaError(FabricError):
     """A CUDA driver call failed (e.g. an IPC handle could not be opened: region freed, peer gone)."""
+
+
+class CallbackThreadError(FabricError, RuntimeError):
+    """A blocking wait was called on the engine's callback thread, which would wait on itself
+    (e.g. ``future.result()`` inside an ``on_done`` callback)."""

@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from . import _rust
+from .errors import InvalidArgumentError
 
-__all__ = ["DeviceTopology", "Topology", "detect_topology"]
+
+class UnknownDeviceError(InvalidArgumentError, KeyError):
+    """The topology has no device of that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+__all__ = ["DeviceTopology", "Topology", "UnknownDeviceError", "detect_topology"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +37,13 @@ class Topology:
     nics: list[str]
 
     def device(self, name: str) -> DeviceTopology:
-        """The entry for ``cuda:N`` or ``host``; KeyError if absent."""
+        """The entry for ``cuda:N`` or ``host``; ``UnknownDeviceError`` (a KeyError) if absent."""
         for d in self.devices:
             if d.device == name:
                 return d
-        raise KeyError(f"no device {name!r} in the topology (have {[d.device for d in self.devices]})")
+        raise UnknownDeviceError(
+            f"no device {name!r} in the topology (have {[d.device for d in self.devices]})"
+        )
 
 
 def detect_topology(overrides: Mapping[str, Sequence[str]] | None = None) -> Topology:

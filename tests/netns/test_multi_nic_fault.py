@@ -166,7 +166,11 @@ def scenario_fault(_state: None, sync_dir: str, transfer_timeout: float) -> dict
         for r in records:
             outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
         failed = [r for r in records if r["outcome"] != "ok"]
-        bad_kinds = {r["outcome"] for r in failed} - {"TransferError", "FabricTimeoutError", "PeerFencedError"}
+        bad_kinds = {r["outcome"] for r in failed} - {
+            "TransferError",
+            "FabricTimeoutError",
+            "PeerFencedError",
+        }
         check(
             not bad_kinds,
             f"unexpected failure kinds {bad_kinds}: {[r.get('message') for r in failed][:3]}",
@@ -341,7 +345,9 @@ def test_receiver_nic_down_mid_stream(side: str) -> None:
     sender, receiver = box["reports"]
     print(f"nic1 down ({side} side): sender {sender}\nreceiver {receiver}")
     failed = {k: v for k, v in sender["outcomes"].items() if k != "ok"}
-    assert failed and set(failed) <= {"TransferError", "FabricTimeoutError", "PeerFencedError"}, sender["outcomes"]
+    assert failed and set(failed) <= {"TransferError", "FabricTimeoutError", "PeerFencedError"}, sender[
+        "outcomes"
+    ]
     assert sender["fail_latency_max"] <= TRANSFER_TIMEOUT + 3.0
     assert sender["outcomes"].get("ok", 0) >= 32
     assert receiver["imms_arrived"] >= sender["outcomes"]["ok"]

@@ -70,7 +70,8 @@ def test_bad_domain_argument_is_a_typed_error() -> None:
 def test_defaults_are_listed_once() -> None:
     defaults = fabric_lib.engine_defaults()
     assert defaults["transfer_timeout"] == 30.0 and defaults["write_completion"] == "auto"
-    with fabric_lib.TransferEngine("tcp", **{k: v for k, v in defaults.items() if v is not None}) as e:
+    options: dict[str, Any] = {k: v for k, v in defaults.items() if v is not None}
+    with fabric_lib.TransferEngine("tcp", **options) as e:
         assert e.main_address.provider.startswith("tcp")
 
 
@@ -118,9 +119,10 @@ def test_engine_dropped_without_stop_while_a_counter_lives() -> None:
 @given(data=st.binary(max_size=400), cut=st.integers(0, 400), flip=st.integers(0, 8 * 400))
 def test_forged_address_and_descriptor_bytes_are_typed_errors(data: bytes, cut: int, flip: int) -> None:
     real = _REAL_BYTES
-    candidates = [data, real[:cut], bytearray(real)]
+    flipped = bytearray(real)
     if flip < 8 * len(real):
-        candidates[2][flip // 8] ^= 1 << (flip % 8)
+        flipped[flip // 8] ^= 1 << (flip % 8)
+    candidates = [data, real[:cut], bytes(flipped)]
     for raw in candidates:
         for cls in (fabric_lib.EngineAddress, fabric_lib.MrDescriptor):
             try:

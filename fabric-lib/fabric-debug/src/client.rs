@@ -9,7 +9,9 @@ use crate::bootstrap::{Channel, Control};
 use crate::endpoint::{Endpoint, EngineArgs};
 use crate::error::{Context, Result};
 use crate::latency::RoundTrips;
-use crate::report::Report;
+use crate::progress::Progress;
+use crate::report::{Report, VerifiedPhase};
+use crate::run_info::RunHeader;
 use crate::throughput::{writes_for, Shape, Target};
 use crate::tracker::{Tracker, WaitKind};
 use crate::units::size_arg;
@@ -84,12 +86,27 @@ pub struct ClientArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Do not report progress on stderr.
+    #[arg(long)]
+    pub quiet: bool,
     /// Seconds to keep retrying the connection to the server.
     #[arg(long, default_value_t = 30)]
     pub connect_timeout: u64,
     /// Seconds without any completion (or answer) before a test is declared stuck.
     #[arg(long, default_value_t = 60)]
     pub stall_timeout: u64,
+}
+
+/// How many progress steps the selected tests make.
+fn phase_count(args: &ClientArgs) -> usize {
+    let mut n = 0;
+    if args.tests.contains(&Test::Throughput) {
+        n += args.sizes.len();
+    }
+    if args.tests.contains(&Test::Paged) {
+        n += args.page_sizes.len() * args.page_counts.len();
+    }
+    n + usize::from(args.tests.contains(&Test::Oprate)) + usize::from(args.tests.contains(&Test::Rtt))
 }
 
 /// Runs the selected tests and returns what they measured.
@@ -112,7 +129,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
 
     let target = Target { engine: &ep.engine, src: ep.handle, src_len: ep.len, dst: &server_mr, stall };
     let mut report = Report {
-        tool: "fabric-debug",
+        header: RunHeader::collect(ep.engine.provider()),
         provider: ep.engine.provider().to_string(),
         domain: ep.engine.domain_names().join(","),
         poll_mode: args.engine.poll_mode_name(),
@@ -122,7 +139,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         paged: Vec::new(),
         op_rate: None,
         rtt: None,
-        verified_imms: Vec::new(),
+        verified: Vec::new(),
     };
     // Ask the server to confirm `count` arrivals of `imm`; its verdict comes over the fabric.
     let mut verify = |phase: &str, imm: u32, count: u64, report: &mut Report| -> Result<()> {
@@ -132,13 +149,15 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         tracker.wait_all(1, stall)?;
         let bytes = msg_rx.recv_timeout(stall).with_context(|| format!("waiting for the server's {phase} verdict"))?;
         Control::from_bytes(&bytes)?.into_ok(&format!("verifying the {phase} phase"))?;
-        report.verified_imms.push((phase.to_string(), count));
+        report.verified.push(VerifiedPhase { phase: phase.to_string(), immediates: count });
         Ok(())
     };
 
+    let mut progress = Progress::new(phase_count(args), args.quiet);
     if args.tests.contains(&Test::Throughput) {
         let mut posted = 0;
         for &size in &args.sizes {
+            progress.step(&format!("throughput {}", crate::units::format_size(size)));
             let writes = writes_for(size, args.bytes_per_rep, args.window);
             let shape = Shape { size, writes, window: args.window, reps: args.reps, imm: IMM_THROUGHPUT };
             let (result, n) = target.throughput(shape)?;
@@ -148,11 +167,13 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         verify("throughput", IMM_THROUGHPUT, posted, &mut report)?;
     }
     if args.tests.contains(&Test::Paged) {
-        let (results, posted) = target.paged_sweep(&args.page_sizes, &args.page_counts, args.reps, IMM_PAGED)?;
+        let (results, posted) =
+            target.paged_sweep(&args.page_sizes, &args.page_counts, args.reps, IMM_PAGED, &mut progress)?;
         report.paged = results;
         verify("paged", IMM_PAGED, posted, &mut report)?;
     }
     if args.tests.contains(&Test::Oprate) {
+        progress.step(&format!("op rate, {} writes", crate::units::format_size(args.op_size)));
         let shape =
             Shape { size: args.op_size, writes: args.ops, window: args.op_window, reps: args.reps, imm: IMM_OP_RATE };
         let (mut result, posted) = target.op_rate(shape)?;
@@ -161,6 +182,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         report.op_rate = Some(result);
     }
     if args.tests.contains(&Test::Rtt) {
+        progress.step("immediate round trips");
         let count = args.warmup_iters + args.iters;
         ch.send(&Control::Echo { ping: IMM_PING, pong: IMM_PONG, count })?;
         ch.recv()?.into_ok("arming the echo")?;

@@ -23,12 +23,15 @@ mod endpoint;
 mod error;
 mod latency;
 mod paged;
+mod progress;
 mod report;
+mod run_info;
 mod server;
 mod throughput;
 mod tracker;
 mod units;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -50,8 +53,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // FABRIC_LIB_LOG as in the Python package (default warn); colour only on a terminal.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FABRIC_LIB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .try_init();
     let cli = Cli::parse();

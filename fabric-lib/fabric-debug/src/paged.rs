@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::bail;
 use crate::error::{Context, Result};
+use crate::progress::Progress;
 use crate::report::median;
 use crate::throughput::Target;
 use crate::tracker::{Tracker, WaitKind};
@@ -22,8 +23,19 @@ pub struct Paged {
     pub gbits_per_s: f64,
     /// Median over repetitions, millions of pages per second.
     pub mpages_per_s: f64,
-    /// Per domain, over all repetitions: (Gbps, Mpages/s, share of the bytes).
-    pub per_domain: Vec<(f64, f64, f64)>,
+    /// Per domain (in domain order), over all repetitions.
+    pub per_domain: Vec<DomainShare>,
+}
+
+/// What one domain (NIC) carried of a paged sweep point.
+#[derive(Serialize, Debug, Clone)]
+pub struct DomainShare {
+    /// Gbps of page payload through this domain.
+    pub gbits_per_s: f64,
+    /// Millions of pages per second through this domain.
+    pub mpages_per_s: f64,
+    /// This domain's share of all bytes, 0..=1.
+    pub share: f64,
 }
 
 /// A small deterministic generator (xorshift64*), so runs are repeatable without a dependency.
@@ -44,7 +56,14 @@ fn random_pages(rng: &mut Rng, count: u64, pool: u64) -> Vec<u32> {
 
 impl Target<'_> {
     /// Runs every (page size, page count) pair `reps` times; `imm` is carried once per request.
-    pub fn paged_sweep(&self, sizes: &[u64], counts: &[u64], reps: u64, imm: u32) -> Result<(Vec<Paged>, u64)> {
+    pub fn paged_sweep(
+        &self,
+        sizes: &[u64],
+        counts: &[u64],
+        reps: u64,
+        imm: u32,
+        progress: &mut Progress,
+    ) -> Result<(Vec<Paged>, u64)> {
         let mut out = Vec::new();
         let mut posted = 0;
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
@@ -54,6 +73,7 @@ impl Target<'_> {
             }
             let (src_pool, dst_pool) = (self.src_len / size, self.dst.len / size);
             for &count in counts {
+                progress.step(&format!("paged {} x {count}", crate::units::format_size(size)));
                 let src_pages = random_pages(&mut rng, count, src_pool);
                 let dst_pages = random_pages(&mut rng, count, dst_pool);
                 let req = PagedWriteRequest {
@@ -110,6 +130,13 @@ fn summarize(
         pages: count,
         gbits_per_s: median(&gbps),
         mpages_per_s: median(&mpps),
-        per_domain: moved.iter().map(|(b, o)| (b * 8.0 / total / 1e9, o / total / 1e6, b / all_bytes)).collect(),
+        per_domain: moved
+            .iter()
+            .map(|(b, o)| DomainShare {
+                gbits_per_s: b * 8.0 / total / 1e9,
+                mpages_per_s: o / total / 1e6,
+                share: b / all_bytes,
+            })
+            .collect(),
     }
 }

@@ -46,10 +46,18 @@ pub struct Latency {
     pub max_us: f64,
 }
 
+/// A phase whose immediates the server counted, every one of them.
+#[derive(Serialize, Debug, Clone)]
+pub struct VerifiedPhase {
+    pub phase: String,
+    pub immediates: u64,
+}
+
 /// Everything one client run measured.
 #[derive(Serialize, Debug, Clone)]
 pub struct Report {
-    pub tool: &'static str,
+    /// What makes two runs comparable: version, commit, libfabric, host, time.
+    pub header: crate::run_info::RunHeader,
     pub provider: String,
     pub domain: String,
     pub poll_mode: &'static str,
@@ -60,8 +68,8 @@ pub struct Report {
     pub paged: Vec<crate::paged::Paged>,
     pub op_rate: Option<OpRate>,
     pub rtt: Option<Latency>,
-    /// Which immediates the server verified (phase -> count).
-    pub verified_imms: Vec<(String, u64)>,
+    /// The phases whose immediates the server verified.
+    pub verified: Vec<VerifiedPhase>,
 }
 
 /// Median of `v` (empty: 0).
@@ -84,8 +92,16 @@ impl Report {
     /// The human-readable form.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "fabric-debug: provider {} domain {} poll {} wait {} (median of {} reps)\n",
-            self.provider, self.domain, self.poll_mode, self.wait, self.reps
+            "fabric-debug {}: provider {} domain {} poll {} wait {} (median of {} reps), libfabric {}, {} ({} CPUs)\n",
+            self.header.package_version,
+            self.provider,
+            self.domain,
+            self.poll_mode,
+            self.wait,
+            self.reps,
+            self.header.libfabric_version,
+            self.header.host,
+            self.header.cpu_count
         );
         if !self.throughput.is_empty() {
             out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "size", "window", "writes", "GB/s", "Gbps");
@@ -107,7 +123,7 @@ impl Report {
             );
             for p in &self.paged {
                 let doms: Vec<String> =
-                    p.per_domain.iter().map(|(g, _, s)| format!("{g:.2} ({:.0}%)", s * 100.0)).collect();
+                    p.per_domain.iter().map(|d| format!("{:.2} ({:.0}%)", d.gbits_per_s, d.share * 100.0)).collect();
                 out += &format!(
                     "{:>10} {:>7} {:>10.2} {:>10.4}  {}\n",
                     format_size(p.page_size),
@@ -133,8 +149,8 @@ impl Report {
                 l.iters, l.wait, l.p50_us, l.p99_us, l.min_us, l.mean_us, l.max_us
             );
         }
-        for (phase, n) in &self.verified_imms {
-            out += &format!("server counted all {n} immediates of the {phase} phase\n");
+        for v in &self.verified {
+            out += &format!("server counted all {} immediates of the {} phase\n", v.immediates, v.phase);
         }
         out
     }

@@ -46,7 +46,21 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING or __package__:
+    from ..errors import FabricError, InvalidArgumentError
+else:  # loaded as a standalone file (see above): errors.py is plain Python, load it beside us
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "fabric_lib_errors", Path(__file__).parents[1] / "errors.py"
+    )
+    assert _spec is not None and _spec.loader is not None
+    _errors = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_errors)
+    FabricError, InvalidArgumentError = _errors.FabricError, _errors.InvalidArgumentError
 
 __all__ = [
     "ADDRESS_RANGE",
@@ -85,7 +99,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]{0,15}$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9]+$")
 
 
-class TestBedError(RuntimeError):
+class TestBedError(FabricError, RuntimeError):
     """An ``ip`` command failed or timed out, or the test bed cannot be used here."""
 
     __test__ = False  # not a pytest test class
@@ -108,6 +122,10 @@ class ProcResult:
     @property
     def ok(self) -> bool:
         return self.returncode == 0
+
+
+class TestBedIndexError(InvalidArgumentError, IndexError):
+    """A host or NIC index or name that the test bed does not have."""
 
 
 class RunError(TestBedError):
@@ -304,7 +322,9 @@ def cleanup_stale(prefix: str = "fl", *, force: bool = False) -> list[str]:
 
 def _check_prefix(prefix: str) -> None:
     if not _PREFIX_RE.match(prefix):
-        raise ValueError(f"prefix must be 1-16 letters/digits starting with a letter, got {prefix!r}")
+        raise InvalidArgumentError(
+            f"prefix must be 1-16 letters/digits starting with a letter, got {prefix!r}"
+        )
 
 
 # -- the test bed ----------------------------------------------------------------------------
@@ -347,17 +367,21 @@ class TestBed:
     ) -> None:
         _check_prefix(prefix)
         if not 1 <= hosts <= _MAX_HOSTS:
-            raise ValueError(f"hosts must be in 1..{_MAX_HOSTS}, got {hosts}")
+            raise InvalidArgumentError(f"hosts must be in 1..{_MAX_HOSTS}, got {hosts}")
         if not 1 <= nics <= _MAX_NICS:
-            raise ValueError(f"nics must be in 1..{_MAX_NICS}, got {nics}")
-        if len(f"{nic_prefix}{nics - 1}") > _IFNAMSIZ or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", nic_prefix):
-            raise ValueError(f"bad nic_prefix {nic_prefix!r} (letters/digits, names up to {_IFNAMSIZ} chars)")
+            raise InvalidArgumentError(f"nics must be in 1..{_MAX_NICS}, got {nics}")
+        if len(f"{nic_prefix}{nics - 1}") > _IFNAMSIZ or not re.fullmatch(
+            r"[A-Za-z][A-Za-z0-9_]*", nic_prefix
+        ):
+            raise InvalidArgumentError(
+                f"bad nic_prefix {nic_prefix!r} (letters/digits, names up to {_IFNAMSIZ} chars)"
+            )
         if tag is None:
             with TestBed._seq_lock:
                 tag = f"{os.getpid()}x{TestBed._seq}"
                 TestBed._seq += 1
         elif not _TAG_RE.match(tag):
-            raise ValueError(f"tag must be letters/digits, got {tag!r}")
+            raise InvalidArgumentError(f"tag must be letters/digits, got {tag!r}")
         self.hosts = hosts
         self.num_nics = nics
         self.prefix = prefix
@@ -414,16 +438,16 @@ class TestBed:
 
     def _host(self, host: int) -> int:
         if not isinstance(host, int) or not 0 <= host < self.hosts:
-            raise IndexError(f"host must be in 0..{self.hosts - 1}, got {host!r}")
+            raise TestBedIndexError(f"host must be in 0..{self.hosts - 1}, got {host!r}")
         return host
 
     def _nic(self, nic: int | str) -> int:
         if isinstance(nic, str):
             if nic not in self.nics:
-                raise IndexError(f"no NIC {nic!r} (NICs: {', '.join(self.nics)})")
+                raise TestBedIndexError(f"no NIC {nic!r} (NICs: {', '.join(self.nics)})")
             return self.nics.index(nic)
         if not 0 <= nic < self.num_nics:
-            raise IndexError(f"nic must be in 0..{self.num_nics - 1}, got {nic!r}")
+            raise TestBedIndexError(f"nic must be in 0..{self.num_nics - 1}, got {nic!r}")
         return nic
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -560,7 +584,9 @@ class TestBed:
 
     def describe(self) -> str:
         """A human-readable table of hosts, namespaces and addresses."""
-        rows = [f"test bed {self.prefix}-{self.tag}: {self.hosts} hosts x {self.num_nics} NICs, hub {self.hub}"]
+        rows = [
+            f"test bed {self.prefix}-{self.tag}: {self.hosts} hosts x {self.num_nics} NICs, hub {self.hub}"
+        ]
         for h in range(self.hosts):
             nics = "  ".join(f"{nic}={self.addr(h, n)}/24" for n, nic in enumerate(self.nics))
             rows.append(f"  host {h}: {self.ns(h)}  {nics}")
@@ -636,7 +662,9 @@ class TestBed:
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             out, err = proc.communicate()
-            raise TestBedError(f"{shlex.join(argv)} on host {host} timed out after {timeout:g}s\n{err}") from None
+            raise TestBedError(
+                f"{shlex.join(argv)} on host {host} timed out after {timeout:g}s\n{err}"
+            ) from None
         result = subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
         if check and proc.returncode != 0:
             raise TestBedError(f"{shlex.join(argv)} on host {host} exited {proc.returncode}: {err.strip()}")
@@ -683,7 +711,7 @@ class TestBed:
         self._require_up()
         hosts = list(range(self.hosts)) if hosts is None else [self._host(h) for h in hosts]
         if not hosts:
-            raise ValueError("run_all needs at least one host")
+            raise InvalidArgumentError("run_all needs at least one host")
         world = len(hosts)
         started: list[tuple[int, int, list[str], subprocess.Popen[Any], Any, Any]] = []
         try:
@@ -707,9 +735,13 @@ class TestBed:
         for h, rank, argv, proc, out, err in started:
             results.append(
                 ProcResult(
-                    host=h, rank=rank, argv=argv,
+                    host=h,
+                    rank=rank,
+                    argv=argv,
                     returncode=None if proc in killed else proc.returncode,
-                    stdout=_read(out), stderr=_read(err), killed=proc in killed,
+                    stdout=_read(out),
+                    stderr=_read(err),
+                    killed=proc in killed,
                 )  # fmt: skip
             )
         if check and (timed_out or any(not r.ok for r in results)):
@@ -757,12 +789,15 @@ class TestBed:
         self._require_up()
         n = self._nic(nic)
         if side == "host":
-            _ip(["-n", self.ns(host), "link", "set", self.nics[n], "up" if up else "down"], timeout=self.timeout)
+            _ip(
+                ["-n", self.ns(host), "link", "set", self.nics[n], "up" if up else "down"],
+                timeout=self.timeout,
+            )
         elif side == "switch":
             _ip(["-n", self.hub, "link", "set", f"h{self._host(host)}n{n}", "up" if up else "down"],
                 timeout=self.timeout)  # fmt: skip
         else:
-            raise ValueError(f"side must be 'host' or 'switch', got {side!r}")
+            raise InvalidArgumentError(f"side must be 'host' or 'switch', got {side!r}")
 
     def verify_connectivity(self, *, port: int = DEFAULT_PORT - 1, timeout: float = 20.0) -> None:
         """Checks that every host reaches every other host on every NIC subnet over TCP.

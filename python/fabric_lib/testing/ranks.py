@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
+from ..errors import FabricError, InvalidArgumentError
+
 if TYPE_CHECKING:
     from .netns import TestBed
 
@@ -46,7 +48,7 @@ IDLE_EXIT_S = 600.0
 _CTX = mp.get_context("spawn")
 
 
-class RankError(RuntimeError):
+class RankError(FabricError, RuntimeError):
     """A function raised in a rank (the message holds the rank's traceback), or the rank died or
     did not answer in time."""
 
@@ -269,7 +271,9 @@ def gather(pending: Sequence[Pending[Any]], timeout: float = DEFAULT_TIMEOUT) ->
         if broken:
             continue
         conns: dict[Any, Rank[Any]] = {r._conn: r for r in waiting.values()}
-        for conn in multiprocessing.connection.wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+        for conn in multiprocessing.connection.wait(
+            list(conns), timeout=max(0.0, deadline - time.monotonic())
+        ):
             conns[conn]._read_one(0)
     for p in pending:
         rank = p.rank
@@ -325,13 +329,15 @@ Setup = Callable[..., S]
 Teardown = Callable[[S], Any]
 
 
-def _per_rank(kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None, world: int) -> list[dict[str, Any]]:
+def _per_rank(
+    kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None, world: int
+) -> list[dict[str, Any]]:
     if kwargs is None:
         return [{} for _ in range(world)]
     if isinstance(kwargs, Mapping):
         return [dict(kwargs) for _ in range(world)]
     if len(kwargs) != world:
-        raise ValueError(f"setup_kwargs has {len(kwargs)} entries for {world} ranks")
+        raise InvalidArgumentError(f"setup_kwargs has {len(kwargs)} entries for {world} ranks")
     return [dict(k) for k in kwargs]
 
 
