@@ -15,7 +15,7 @@ import pytest
 from fabric_lib import errors
 
 PACKAGE = Path(fabric_lib.__file__).parent
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\b(FABRIC_(?:LIB|A2A)_[A-Z0-9_]+)\b")
 
 

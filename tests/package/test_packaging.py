@@ -13,7 +13,7 @@ from pathlib import Path
 import fabric_lib
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = Path(fabric_lib.__file__).parent
 BIN_DIR = Path(sys.executable).parent
 MAX_EXTENSION_BYTES = 8 << 20  # stripped it is ~2.3 MB; with debug info it was 26 MB

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
@@ -93,6 +93,9 @@ PUBLIC_TEXT = [
     "benchmarks",
     "pyproject.toml",
     "python-ext",
+    "fabric-lib",
+    "p2p-all-to-all",
+    "rust",
 ]
 
 
