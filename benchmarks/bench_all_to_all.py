@@ -61,14 +61,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tokens", type=int, nargs="+", default=[128], help="tokens per rank (several: one run each)"
     )
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--dispatch-dtype", nargs="+", choices=sorted(DTYPES), default=["fp8"])
-    p.add_argument("--combine-dtype", choices=["bf16"], default="bf16")
+    p.add_argument("--hidden", type=int, default=7168, help="token width (elements)")
+    p.add_argument("--experts", type=int, default=256, help="experts, spread evenly over the ranks")
+    p.add_argument("--topk", type=int, default=8, help="experts each token is routed to")
+    p.add_argument(
+        "--dispatch-dtype",
+        nargs="+",
+        choices=sorted(DTYPES),
+        default=["fp8"],
+        help="dispatched token format (several: one run each; fp8 carries a scale per 128 values)",
+    )
+    p.add_argument("--combine-dtype", choices=["bf16"], default="bf16", help="combined token format")
     p.add_argument("--max-tokens-per-expert", type=int, default=None, help="default: 2x the uniform mean")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--iters", type=int, default=200, help="timed iterations per configuration")
+    p.add_argument("--warmup", type=int, default=20, help="untimed iterations first")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     p.add_argument(
         "--sweep",
@@ -80,9 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "field keeps the default), for configs of at least --sweep-min-tokens tokens (results: "
         "dispatch@SPEC, combine@SPEC)",
     )
-    p.add_argument("--sweep-min-tokens", type=int, default=1024)
-    p.add_argument("--sweep-iters", type=int, default=60)
-    p.add_argument("--out", default="bench-results/bench_all_to_all.json")
+    p.add_argument("--sweep-min-tokens", type=int, default=1024, help="smallest token count --sweep times")
+    p.add_argument("--sweep-iters", type=int, default=60, help="timed iterations per --sweep config")
+    p.add_argument(
+        "--out", default="bench-results/bench_all_to_all.json", help="result file (JSON with the run header)"
+    )
     return p.parse_args(argv)
 
 

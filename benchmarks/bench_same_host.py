@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Literal, cast
 
 import fabric_lib
 import fabric_lib.cuda as fcuda
@@ -40,8 +41,11 @@ REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 60.0
 
 
-def _engine() -> fabric_lib.TransferEngine:
-    return fabric_lib.TransferEngine("tcp", "lo", transfer_timeout=TIMEOUT)
+WriteCompletion = Literal["auto", "delivery", "transmit"]
+
+
+def _engine(write_completion: WriteCompletion = "auto") -> fabric_lib.TransferEngine:
+    return fabric_lib.TransferEngine("tcp", "lo", transfer_timeout=TIMEOUT, write_completion=write_completion)
 
 
 def _peer_copy_gbps(dst: torch.Tensor, src: torch.Tensor, iters: int, repeats: int = 3) -> float:
@@ -240,6 +244,12 @@ def main() -> None:
         help="result file (a PNG plot is written beside it)",
     )
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    ap.add_argument(
+        "--write-completion",
+        choices=("auto", "delivery", "transmit"),
+        default="auto",
+        help="the engines' write_completion (the immediate after each copy travels over tcp)",
+    )
     args = ap.parse_args()
     n = fcuda.device_count()
     dst_dev = args.dst if args.dst < n else args.src
@@ -248,7 +258,8 @@ def main() -> None:
     pages, paged_iters, watch_iters = 2048, 20, 2000
     if args.quick:
         sizes, budget, paged_iters, watch_iters = [1 << 20, 16 << 20, 256 << 20], 2 << 30, 10, 500
-    w, r = _engine(), _engine()
+    completion = cast(WriteCompletion, args.write_completion)
+    w, r = _engine(completion), _engine(completion)
     results = {
         "device": torch.cuda.get_device_name(args.src),
         "src": args.src,

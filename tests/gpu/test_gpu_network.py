@@ -18,7 +18,13 @@ from fabric_lib.errors import CudaUnavailableError, ProviderUnavailableError
 from fabric_lib.testing import spawn_ranks
 
 TIMEOUT = 30.0
-NET = {"gpu_network": True, "force_network": True, "transfer_timeout": TIMEOUT}
+
+
+def _net_engine() -> fabric_lib.TransferEngine:
+    """An shm engine that registers GPU memory with the provider and never takes CUDA IPC."""
+    return fabric_lib.TransferEngine(
+        "shm", poll_mode="adaptive", gpu_network=True, force_network=True, transfer_timeout=TIMEOUT
+    )
 
 
 def _has_gpu() -> bool:
@@ -59,7 +65,7 @@ def test_forced_network_path_refuses_unregistered_gpu_memory_with_a_reason() -> 
 
 class _Receiver:
     def __init__(self, nbytes: int) -> None:
-        self.engine = fabric_lib.TransferEngine("shm", poll_mode="adaptive", **NET)
+        self.engine = _net_engine()
         self.dst = {
             "gpu": torch.zeros(nbytes, dtype=torch.uint8, device="cuda"),
             "host": torch.zeros(nbytes, dtype=torch.uint8),
@@ -95,19 +101,21 @@ def take(rx: _Receiver, imm: int, n: int, which: str, start: int, length: int) -
 def test_gpu_memory_over_the_network_path() -> None:
     if not _has_gpu():
         pytest.skip("needs a CUDA GPU")
-    with fabric_lib.TransferEngine("shm", poll_mode="adaptive", **NET) as probe:
+    with _net_engine() as probe:
         if not probe.gpu_network:
             pytest.skip("this libfabric's shm has no FI_HMEM (build one with scripts/build_libfabric.sh)")
         region = probe.register_tensor(torch.zeros(64, dtype=torch.uint8, device="cuda"))
         if not region.descriptor.network_reachable:
-            pytest.skip("this libfabric's shm offers FI_HMEM but cannot register CUDA memory (built without CUDA)")
+            pytest.skip(
+                "this libfabric's shm offers FI_HMEM but cannot register CUDA memory (built without CUDA)"
+            )
     nbytes = 32 << 20
-    with spawn_ranks(1, setup=open_receiver, setup_kwargs={"nbytes": nbytes}, teardown=stop_receiver, timeout=120) as (
-        rx,
-    ):
+    with spawn_ranks(
+        1, setup=open_receiver, setup_kwargs={"nbytes": nbytes}, teardown=stop_receiver, timeout=120
+    ) as (rx,):
         remote = {k: fabric_lib.MrDescriptor.from_bytes(v) for k, v in rx.call(descriptors).items()}
         assert remote["gpu"].network_reachable, "the receiver's GPU region is registered with the NIC"
-        with fabric_lib.TransferEngine("shm", poll_mode="adaptive", **NET) as w:
+        with _net_engine() as w:
             gen = torch.Generator().manual_seed(7)
             src_host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
             src_gpu = src_host.to("cuda")
@@ -137,13 +145,16 @@ def test_gpu_memory_over_the_network_path() -> None:
             src_pages = [rng.randrange(pages) for _ in range(128)]
             dst_pages = rng.sample(range(pages), 128)
             pending = rx.submit(take, 900, 1, "gpu", 0, page * pages)
-            w.submit_paged_writes(page, regions["gpu"], src_pages, remote["gpu"], dst_pages, imm=900).result(TIMEOUT)
-            got = torch.frombuffer(bytearray(pending.result(TIMEOUT + 10)), dtype=torch.uint8)
+            w.submit_paged_writes(page, regions["gpu"], src_pages, remote["gpu"], dst_pages, imm=900).result(
+                TIMEOUT
+            )
+            landed = torch.frombuffer(bytearray(pending.result(TIMEOUT + 10)), dtype=torch.uint8)
             for s, d in zip(src_pages, dst_pages, strict=True):
-                assert torch.equal(got[d * page : (d + 1) * page], src_host[s * page : (s + 1) * page])
+                assert torch.equal(landed[d * page : (d + 1) * page], src_host[s * page : (s + 1) * page])
             pending = rx.submit(take, 901, 1000, "gpu", 0, 4096)
             futures = [
-                w.submit_write(regions["gpu"], remote["gpu"], 4096, dst_offset=0, imm=901) for _ in range(1000)
+                w.submit_write(regions["gpu"], remote["gpu"], 4096, dst_offset=0, imm=901)
+                for _ in range(1000)
             ]
             for f in futures:
                 f.result(TIMEOUT)
