@@ -16,11 +16,25 @@ def provider(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def engine_pair(provider: str) -> Iterator[tuple[fabric_lib.TransferEngine, fabric_lib.TransferEngine]]:
-    """Two engines on the same provider, in this process (adaptive polling: CI has 2 cores)."""
+EnginePair = tuple[fabric_lib.TransferEngine, fabric_lib.TransferEngine]
+
+
+def _pair(provider: str) -> Iterator[EnginePair]:
+    """Two engines on one provider, in this process (adaptive polling: CI has 2 cores)."""
     a = fabric_lib.TransferEngine(provider, poll_mode="adaptive", transfer_timeout=20.0)
     b = fabric_lib.TransferEngine(provider, poll_mode="adaptive", transfer_timeout=20.0)
     yield a, b
     a.stop()
     b.stop()
+
+
+@pytest.fixture
+def engine_pair(provider: str) -> Iterator[EnginePair]:
+    """Two engines on each loopback provider."""
+    yield from _pair(provider)
+
+
+@pytest.fixture
+def tcp_pair() -> Iterator[EnginePair]:
+    """Two tcp engines."""
+    yield from _pair("tcp")

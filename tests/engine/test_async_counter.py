@@ -11,22 +11,13 @@ import pytest
 from fabric_lib import errors
 
 
-@pytest.fixture
-def pair():
-    a = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0)
-    b = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0)
-    yield a, b
-    a.stop()
-    b.stop()
-
-
 def _send_imms(a: fabric_lib.TransferEngine, b: fabric_lib.TransferEngine, imm: int, n: int) -> None:
     for _ in range(n):
         a.submit_imm(imm, b.main_address).result(timeout=20)
 
 
-def test_wait_async_returns_when_the_count_is_reached(pair) -> None:
-    a, b = pair
+def test_wait_async_returns_when_the_count_is_reached(tcp_pair) -> None:
+    a, b = tcp_pair
 
     async def scenario() -> int:
         with b.imm_counter(21) as counter:
@@ -40,8 +31,8 @@ def test_wait_async_returns_when_the_count_is_reached(pair) -> None:
     assert asyncio.run(scenario()) == 1
 
 
-def test_wait_async_timeout_is_typed_and_consumes_nothing(pair) -> None:
-    a, b = pair
+def test_wait_async_timeout_is_typed_and_consumes_nothing(tcp_pair) -> None:
+    a, b = tcp_pair
 
     async def scenario() -> int:
         with b.imm_counter(22) as counter:
@@ -54,8 +45,8 @@ def test_wait_async_timeout_is_typed_and_consumes_nothing(pair) -> None:
     assert asyncio.run(scenario()) == 1  # the late arrival is counted, not eaten by a dead expectation
 
 
-def test_cancelled_wait_async_removes_its_expectation(pair) -> None:
-    a, b = pair
+def test_cancelled_wait_async_removes_its_expectation(tcp_pair) -> None:
+    a, b = tcp_pair
 
     async def scenario() -> tuple[int, int]:
         with b.imm_counter(23) as counter:
@@ -73,8 +64,8 @@ def test_cancelled_wait_async_removes_its_expectation(pair) -> None:
     assert asyncio.run(scenario()) == (1, 0)
 
 
-def test_cancelled_expect_imm_count_removes_its_expectation(pair) -> None:
-    a, b = pair
+def test_cancelled_expect_imm_count_removes_its_expectation(tcp_pair) -> None:
+    a, b = tcp_pair
 
     async def scenario() -> int:
         waiter = asyncio.ensure_future(asyncio.wrap_future(b.expect_imm_count(24, 1)))
@@ -90,8 +81,8 @@ def test_cancelled_expect_imm_count_removes_its_expectation(pair) -> None:
     assert asyncio.run(scenario()) == 1
 
 
-def test_wait_async_rejects_bad_arguments(pair) -> None:
-    _, b = pair
+def test_wait_async_rejects_bad_arguments(tcp_pair) -> None:
+    _, b = tcp_pair
 
     async def scenario() -> None:
         with b.imm_counter(25) as counter:

@@ -18,15 +18,6 @@ PACKAGE = Path(fabric_lib.__file__).parent
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def pair():
-    a = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0)
-    b = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0)
-    yield a, b
-    a.stop()
-    b.stop()
-
-
 def _builtin_raises(path: Path) -> list[str]:
     """`raise ValueError(...)`-style raises of built-in exception classes in one module."""
     found = []
@@ -60,8 +51,8 @@ def test_every_exported_error_is_a_fabric_error() -> None:
     assert issubclass(UnknownDeviceError, KeyError) and issubclass(UnknownDeviceError, errors.FabricError)
 
 
-def test_former_builtin_errors_are_typed(pair) -> None:
-    a, _ = pair
+def test_former_builtin_errors_are_typed(tcp_pair) -> None:
+    a, _ = tcp_pair
     with pytest.raises(errors.InvalidArgumentError, match="32 bits"):
         a.imm_counter(-1)
     with pytest.raises(errors.InvalidArgumentError, match="no device 'cuda:99'"):
@@ -72,24 +63,24 @@ def test_former_builtin_errors_are_typed(pair) -> None:
         TestBed(hosts=0)
 
 
-def test_exchange_without_process_group_is_typed(pair) -> None:
+def test_exchange_without_process_group_is_typed(tcp_pair) -> None:
     pytest.importorskip("torch")
     from fabric_lib import distributed
 
     with pytest.raises(errors.InvalidArgumentError, match="init_process_group"):
-        distributed.exchange(pair[0])
+        distributed.exchange(tcp_pair[0])
 
 
-def test_tensor_where_a_region_is_expected(pair) -> None:
+def test_tensor_where_a_region_is_expected(tcp_pair) -> None:
     torch = pytest.importorskip("torch")
-    a, b = pair
+    a, b = tcp_pair
     dst = b.register_tensor(torch.zeros(16))
     with pytest.raises(errors.InvalidArgumentError, match=r"register_tensor\(tensor\)"):
         a.submit_write(torch.ones(16), dst.descriptor)  # type: ignore[arg-type]
 
 
-def test_descriptor_where_a_source_is_expected(pair) -> None:
-    a, b = pair
+def test_descriptor_where_a_source_is_expected(tcp_pair) -> None:
+    a, b = tcp_pair
     dst = b.register_buffer(bytearray(64))
     with pytest.raises(errors.InvalidArgumentError, match="only be a destination"):
         a.submit_write(dst.descriptor, dst.descriptor)  # type: ignore[arg-type]
@@ -97,8 +88,8 @@ def test_descriptor_where_a_source_is_expected(pair) -> None:
         a.submit_write(b"bytes", dst.descriptor)  # type: ignore[arg-type]
 
 
-def test_bad_destination_and_peer_kinds(pair) -> None:
-    a, _ = pair
+def test_bad_destination_and_peer_kinds(tcp_pair) -> None:
+    a, _ = tcp_pair
     src = a.register_buffer(bytearray(64))
     with pytest.raises(errors.InvalidArgumentError, match="region.descriptor"):
         a.submit_write(src, 1234)  # type: ignore[arg-type]
@@ -110,8 +101,8 @@ def test_bad_destination_and_peer_kinds(pair) -> None:
         a.submit_write(src, src.descriptor, on_done="print")  # type: ignore[call-overload]
 
 
-def test_memory_region_is_accepted_as_destination(pair) -> None:
-    a, b = pair
+def test_memory_region_is_accepted_as_destination(tcp_pair) -> None:
+    a, b = tcp_pair
     src = a.register_buffer(bytearray(b"abcd" * 256))
     target = bytearray(1024)
     dst = b.register_buffer(target)
@@ -121,8 +112,8 @@ def test_memory_region_is_accepted_as_destination(pair) -> None:
     assert bytes(target) == b"abcd" * 256
 
 
-def test_register_buffer_rejects_what_it_cannot_write(pair) -> None:
-    a, _ = pair
+def test_register_buffer_rejects_what_it_cannot_write(tcp_pair) -> None:
+    a, _ = tcp_pair
     with pytest.raises(errors.InvalidArgumentError, match="read-only"):
         a.register_buffer(b"immutable")
     with pytest.raises(errors.InvalidArgumentError, match="writable buffer"):
@@ -131,8 +122,8 @@ def test_register_buffer_rejects_what_it_cannot_write(pair) -> None:
         a.register_buffer(memoryview(bytearray(64))[::2])
 
 
-def test_descriptor_hex_form(pair) -> None:
-    a, b = pair
+def test_descriptor_hex_form(tcp_pair) -> None:
+    a, b = tcp_pair
     descriptor = b.register_buffer(bytearray(128)).descriptor
     text = descriptor.to_hex()
     assert text == descriptor.to_bytes().hex()

@@ -13,17 +13,8 @@ import pytest
 from fabric_lib import errors
 
 
-@pytest.fixture
-def pair():
-    a = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0)
-    b = fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0)
-    yield a, b
-    a.stop()
-    b.stop()
-
-
-def test_waiting_on_a_pending_future_inside_on_done_raises(pair) -> None:
-    a, b = pair
+def test_waiting_on_a_pending_future_inside_on_done_raises(tcp_pair) -> None:
+    a, b = tcp_pair
     src = a.register_buffer(bytearray(64))
     dst = b.register_buffer(bytearray(64))
     never = b.expect_imm_count(99, 1)  # nothing sends 99: stays pending
@@ -43,8 +34,8 @@ def test_waiting_on_a_pending_future_inside_on_done_raises(pair) -> None:
     never.cancel()
 
 
-def test_done_callback_may_read_a_finished_future_but_not_wait_on_a_pending_one(pair) -> None:
-    a, b = pair
+def test_done_callback_may_read_a_finished_future_but_not_wait_on_a_pending_one(tcp_pair) -> None:
+    a, b = tcp_pair
     src = a.register_buffer(bytearray(64))
     dst = b.register_buffer(bytearray(64))
     first = a.submit_write(src, dst.descriptor)
@@ -67,8 +58,8 @@ def test_done_callback_may_read_a_finished_future_but_not_wait_on_a_pending_one(
     pending.cancel()
 
 
-def test_other_threads_still_block_normally(pair) -> None:
-    a, _ = pair
+def test_other_threads_still_block_normally(tcp_pair) -> None:
+    a, _ = tcp_pair
     pending = a.expect_imm_count(97, 1)
     with pytest.raises(TimeoutError):
         pending.result(timeout=0.1)  # plain timeout, not CallbackThreadError
@@ -91,8 +82,8 @@ def _in_forked_child(body) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def test_engine_used_in_forked_child_raises_naming_fork(pair) -> None:
-    a, b = pair
+def test_engine_used_in_forked_child_raises_naming_fork(tcp_pair) -> None:
+    a, b = tcp_pair
     src = a.register_buffer(bytearray(64))
     dst = b.register_buffer(bytearray(64))
     counter = b.imm_counter(11)

@@ -64,6 +64,23 @@ pub(crate) struct Pages {
     pub dst_offset: u64,
 }
 
+impl Pages {
+    /// A paged-copy kernel launch reading these pages from `src` (page indices at `src_idx`),
+    /// with the destination side left for the caller to fill in.
+    pub(crate) fn gather_from(&self, src: u64, src_idx: u64, blocks: u32) -> cuda_lib::PagedCopy {
+        cuda_lib::PagedCopy {
+            src,
+            src_idx,
+            src_stride: self.src_stride,
+            src_offset: self.src_offset,
+            page_len: self.page_len,
+            num_pages: self.src_pages.len() as u32,
+            blocks,
+            ..Default::default()
+        }
+    }
+}
+
 /// What to copy (already checked against both regions).
 #[derive(Clone, Debug)]
 pub(crate) enum SameHostCopy {

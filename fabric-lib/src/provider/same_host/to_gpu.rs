@@ -49,17 +49,10 @@ impl SameHostChannel {
         }
         let mut copy = PagedCopy {
             dst: dst_base,
-            src: src.ptr,
             dst_idx: idx.device_ptr() + 4 * n as u64,
-            src_idx: idx.device_ptr(),
             dst_stride: p.dst_stride,
             dst_offset: p.dst_offset,
-            src_stride: p.src_stride,
-            src_offset: p.src_offset,
-            page_len: p.page_len,
-            num_pages: n as u32,
-            blocks: self.blocks,
-            ..Default::default()
+            ..p.gather_from(src.ptr, idx.device_ptr(), self.blocks)
         };
         if src.kind == MemoryKind::Host {
             let staging = self.gather_host_pages(device, src.ptr, p)?;

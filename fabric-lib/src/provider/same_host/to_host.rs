@@ -57,17 +57,10 @@ impl SameHostChannel {
         }
         let copy = PagedCopy {
             dst: staging.device_ptr(),
-            src,
             dst_idx: 0,
-            src_idx: idx.device_ptr(),
             dst_stride: p.page_len,
             dst_offset: 0,
-            src_stride: p.src_stride,
-            src_offset: p.src_offset,
-            page_len: p.page_len,
-            num_pages: n as u32,
-            blocks: self.blocks,
-            ..Default::default()
+            ..p.gather_from(src, idx.device_ptr(), self.blocks)
         };
         let d = self.device(device)?;
         let kernels = d.kernels.as_ref().expect("loaded above");
