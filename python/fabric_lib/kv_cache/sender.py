@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class KvSender(KvEndpoint):
         self._requests: dict[str, _SendRequest] = {}
         self._early: dict[str, list[tuple[PeerInfo, dict[str, Any]]]] = {}
         self._done: dict[str, BaseException | None] = {}
+        self._retired: deque[str] = deque(maxlen=4096)  # finished ids a forward pass may still name
         super().__init__(engine, layout, caches, **kw)
 
     # -- the prefill engine's calls ---------------------------------------------------------
@@ -159,10 +161,13 @@ class KvSender(KvEndpoint):
         return future
 
     def begin_forward(self, progress: Mapping[str, int]) -> ForwardPass:
-        """A forward pass computing each listed request's prompt up to ``progress[rid]`` tokens."""
+        """A forward pass computing each listed request's prompt up to ``progress[rid]`` tokens.
+        Requests already finished (e.g. cancelled) are skipped."""
         with self._lock:
             for rid, tokens in progress.items():
                 req = self._requests.get(rid)
+                if req is None and rid in self._retired:
+                    continue
                 if req is None:
                     raise InvalidArgumentError(f"unknown request {rid!r} (add_request first)")
                 last = req.ready[0][-1] if req.ready[0] else 0
@@ -349,6 +354,7 @@ class KvSender(KvEndpoint):
         if req.stage_offset is not None:
             self.context_pool.release(req.stage_offset)
         self._done[req.rid] = error
+        self._retired.append(req.rid)
         if error is None:
             req.future.set_result(None)
         else:
