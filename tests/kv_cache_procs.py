@@ -89,6 +89,9 @@ def spawn_node(name: str, endpoints: list[dict[str, Any]]) -> Node:
 
 # -- the child ----------------------------------------------------------------------------
 def _serve(conn: Any, specs: list[dict[str, Any]]) -> None:
+    import logging
+
+    logging.basicConfig(level=os.environ.get("KV_TEST_LOG", "WARNING"))
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # die with the parent
     try:
@@ -132,14 +135,22 @@ class _NodeState:
             for layer in range(layout.num_layers):
                 t = torch.zeros(layout.layer_shape(nb, s["tp_size"]), dtype=getattr(torch, layout.dtype))
                 if s["role"] == "prefill":
-                    raw = shard(layout, global_pages(layout, s["seed"], layer, nb), s["tp_size"], s["tp_rank"])
+                    raw = shard(
+                        layout, global_pages(layout, s["seed"], layer, nb), s["tp_size"], s["tp_rank"]
+                    )
                     t.view(torch.uint8).view(-1).copy_(torch.from_numpy(raw.reshape(-1)))
                 caches.append(t)
             self.caches[s["name"]] = caches
             cls = KvSender if s["role"] == "prefill" else KvReceiver
             kw = {"heartbeat_interval": 0.2, "peer_timeout": 2.0, **s.get("kw", {})}
             self.endpoints[s["name"]] = cls(
-                engine, layout, caches, instance=s["instance"], tp_size=s["tp_size"], tp_rank=s["tp_rank"], **kw
+                engine,
+                layout,
+                caches,
+                instance=s["instance"],
+                tp_size=s["tp_size"],
+                tp_rank=s["tp_rank"],
+                **kw,
             )
 
     def close(self) -> None:
@@ -153,8 +164,16 @@ class _NodeState:
             self.endpoints[name].connect(a)
         return len(self.endpoints[name].peers)
 
-    def request(self, name: str, rid: str, instance: str, blocks: list[int], num_tokens: int,
-                ctx: int = 0, num_chunks: int | None = None) -> None:
+    def request(
+        self,
+        name: str,
+        rid: str,
+        instance: str,
+        blocks: list[int],
+        num_tokens: int,
+        ctx: int = 0,
+        num_chunks: int | None = None,
+    ) -> None:
         self.requests[f"{name}/{rid}"] = self.endpoints[name].request(
             rid, instance, blocks, num_tokens, context_bytes=ctx, num_chunks=num_chunks
         )
@@ -181,8 +200,9 @@ class _NodeState:
     def snapshot(self, name: str) -> list[bytes]:
         return [bytes(c.view(-1).view(__import__("torch").uint8).numpy()) for c in self.caches[name]]
 
-    def check(self, name: str, rid: str, p_seed: int, p_blocks: list[int], d_blocks: list[int],
-              ctx: int = 0) -> list[str]:
+    def check(
+        self, name: str, rid: str, p_seed: int, p_blocks: list[int], d_blocks: list[int], ctx: int = 0
+    ) -> list[str]:
         """Mismatches between the received pages (and context) and the expected shard."""
         ep, spec = self.endpoints[name], self.specs[name]
         req = self.requests[f"{name}/{rid}"]
@@ -191,7 +211,9 @@ class _NodeState:
         if ctx and got_ctx != context_bytes(rid, ctx):
             errors.append(f"{rid}: context differs")
         for layer, cache in enumerate(self.caches[name]):
-            want = shard(ep.layout, global_pages(ep.layout, p_seed, layer, P_BLOCKS), spec["tp_size"], spec["tp_rank"])
+            want = shard(
+                ep.layout, global_pages(ep.layout, p_seed, layer, P_BLOCKS), spec["tp_size"], spec["tp_rank"]
+            )
             got = cache.view(-1).view(__import__("torch").uint8).numpy().reshape(D_BLOCKS, -1)
             if not np.array_equal(got[d_blocks], want[p_blocks].reshape(len(p_blocks), -1)):
                 errors.append(f"{rid}: layer {layer} pages differ")
@@ -200,11 +222,19 @@ class _NodeState:
     def untouched(self, name: str, blocks: list[int], value: int) -> bool:
         import torch
 
-        return all(bool((c.view(-1).view(torch.uint8).reshape(D_BLOCKS, -1)[blocks] == value).all()) for c in self.caches[name])
+        return all(
+            bool((c.view(-1).view(torch.uint8).reshape(D_BLOCKS, -1)[blocks] == value).all())
+            for c in self.caches[name]
+        )
 
-    def serve(self, rids: list[tuple[str, str, list[int], int, list[int], int]], wait: bool = True,
-              cancel_after: dict[str, int] | None = None, stop_after: int | None = None,
-              start_at: int = 0) -> dict[str, str | None]:
+    def serve(
+        self,
+        rids: list[tuple[str, str, list[int], int, list[int], int]],
+        wait: bool = True,
+        cancel_after: dict[str, int] | None = None,
+        stop_after: int | None = None,
+        start_at: int = 0,
+    ) -> dict[str, str | None]:
         """Prefill: ``(rid, endpoint, blocks, num_tokens, chunk_ends, ctx)`` requests, run as
         lock-step forward passes (pass k computes every request's k-th chunk, all layers);
         ``cancel_after[rid] = k`` cancels after pass k; ``stop_after`` stops (no more passes)

@@ -26,16 +26,31 @@ _rids = itertools.count()
 
 def prefill_specs(layout: KvLayout, instance: str, tp: int, **kw) -> list[dict]:
     return [
-        {"name": f"{instance}r{r}", "role": "prefill", "instance": instance, "tp_size": tp, "tp_rank": r,
-         "layout": layout.to_dict(), "seed": SEEDS[instance], "kw": kw}
+        {
+            "name": f"{instance}r{r}",
+            "role": "prefill",
+            "instance": instance,
+            "tp_size": tp,
+            "tp_rank": r,
+            "layout": layout.to_dict(),
+            "seed": SEEDS[instance],
+            "kw": kw,
+        }
         for r in range(tp)
     ]
 
 
 def decode_specs(layout: KvLayout, instance: str, tp: int, **kw) -> list[dict]:
     return [
-        {"name": f"{instance}r{r}", "role": "decode", "instance": instance, "tp_size": tp, "tp_rank": r,
-         "layout": layout.to_dict(), "kw": kw}
+        {
+            "name": f"{instance}r{r}",
+            "role": "decode",
+            "instance": instance,
+            "tp_size": tp,
+            "tp_rank": r,
+            "layout": layout.to_dict(),
+            "kw": kw,
+        }
         for r in range(tp)
     ]
 
@@ -92,11 +107,16 @@ def test_concurrent_requests_are_byte_exact(cluster, batch, seed) -> None:
     assert all(v is None for v in p.call("serve", rids=serve).values())
     used: dict[str, set[int]] = {}
     for name, rid, p_seed, p_blocks, d_blocks, ctx in checks:
-        assert d.call("check", name=name, rid=rid, p_seed=p_seed, p_blocks=p_blocks, d_blocks=d_blocks, ctx=ctx) == []
+        assert (
+            d.call("check", name=name, rid=rid, p_seed=p_seed, p_blocks=p_blocks, d_blocks=d_blocks, ctx=ctx)
+            == []
+        )
         used.setdefault(name, set()).update(d_blocks)
     for name in d.addresses:
         rest = [b for b in range(D_BLOCKS) if b not in used.get(name, set())]
-        assert d.call("untouched", name=name, blocks=rest, value=SENTINEL), "pages written outside the requests"
+        assert d.call("untouched", name=name, blocks=rest, value=SENTINEL), (
+            "pages written outside the requests"
+        )
 
 
 # -- failures and membership (one layout, fresh processes) ------------------------------------
@@ -106,7 +126,10 @@ N_TOKENS = 37  # 10 blocks, 5 chunks of 8
 
 @pytest.fixture
 def pair():
-    p = spawn_node("prefill", prefill_specs(LAYOUT, "p1", 1, chunk_tokens=8) + prefill_specs(LAYOUT, "p3", 1, chunk_tokens=8))
+    p = spawn_node(
+        "prefill",
+        prefill_specs(LAYOUT, "p1", 1, chunk_tokens=8) + prefill_specs(LAYOUT, "p3", 1, chunk_tokens=8),
+    )
     d = None
     try:
         d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1))
@@ -154,7 +177,9 @@ def test_killed_prefiller_fails_its_requests_only(pair) -> None:
     try:
         d.call("connect", name="d1r0", addresses=list(other.addresses.values()))
         d.call("request", name="d1r0", rid="dead", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
-        d.call("request", name="d1r0", rid="live", instance="p2", blocks=list(range(40, 50)), num_tokens=N_TOKENS)
+        d.call(
+            "request", name="d1r0", rid="live", instance="p2", blocks=list(range(40, 50)), num_tokens=N_TOKENS
+        )
         p.call("serve", rids=[("dead", "p1r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
         t0 = time.monotonic()
         p.kill()
@@ -162,7 +187,17 @@ def test_killed_prefiller_fails_its_requests_only(pair) -> None:
         assert err == "KvPeerLostError"
         assert time.monotonic() - t0 < 2.0 + 3.0  # peer_timeout + slack
         assert other.call("serve", rids=[("live", "p2r0", P_BL, N_TOKENS, ENDS, 0)]) == {"live": None}
-        assert d.call("check", name="d1r0", rid="live", p_seed=SEEDS["p2"], p_blocks=P_BL, d_blocks=list(range(40, 50))) == []
+        assert (
+            d.call(
+                "check",
+                name="d1r0",
+                rid="live",
+                p_seed=SEEDS["p2"],
+                p_blocks=P_BL,
+                d_blocks=list(range(40, 50)),
+            )
+            == []
+        )
     finally:
         other.close()
 
@@ -180,9 +215,12 @@ def test_killed_decoder_fails_its_requests_only(pair) -> None:
         t0 = time.monotonic()
         out = p.call("serve", rids=[("live", "p1r0", P_BL, N_TOKENS, ENDS, 0)])
         assert out == {"live": None}
-        assert p.call("send_outcomes", rids=["dead"]) == {"dead": "KvPeerLostError"}
+        # the dead decoder's writes fail (TransferError) or its heartbeats stop (KvPeerLostError)
+        assert p.call("send_outcomes", rids=["dead"])["dead"] in ("TransferError", "KvPeerLostError")
         assert time.monotonic() - t0 < 2.0 + 5.0
-        assert d.call("check", name="d1r0", rid="live", p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL) == []
+        assert (
+            d.call("check", name="d1r0", rid="live", p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL) == []
+        )
     finally:
         d2.close()
 
@@ -196,6 +234,9 @@ def test_prefiller_joining_after_the_decoders_started(pair) -> None:
         late.call("connect", name="p2r0", addresses=list(d.addresses.values()))
         d.call("request", name="d1r0", rid="new", instance="p2", blocks=D_BL, num_tokens=N_TOKENS, ctx=40)
         assert late.call("serve", rids=[("new", "p2r0", P_BL, N_TOKENS, [N_TOKENS], 40)]) == {"new": None}
-        assert d.call("check", name="d1r0", rid="new", p_seed=SEEDS["p2"], p_blocks=P_BL, d_blocks=D_BL, ctx=40) == []
+        assert (
+            d.call("check", name="d1r0", rid="new", p_seed=SEEDS["p2"], p_blocks=P_BL, d_blocks=D_BL, ctx=40)
+            == []
+        )
     finally:
         late.close()

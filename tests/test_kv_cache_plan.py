@@ -42,7 +42,9 @@ TP_PAIRS = [(1, 1), (2, 2), (4, 8), (8, 4), (1, 4), (4, 1), (2, 8), (8, 2)]
     itemsize=st.sampled_from(["bfloat16", "float8_e4m3fn", "float32"]),
     data=st.data(),
 )
-def test_every_decoder_rank_gets_exactly_its_shard(kind, tp, block_size, head_dim, heads_mult, itemsize, data) -> None:
+def test_every_decoder_rank_gets_exactly_its_shard(
+    kind, tp, block_size, head_dim, heads_mult, itemsize, data
+) -> None:
     src_tp, dst_tp = tp
     heads = 1 if kind == "mla" else max(src_tp, dst_tp) * heads_mult
     layout = KvLayout(kind, 1, block_size, heads, head_dim, itemsize)

@@ -93,7 +93,9 @@ class KvEndpoint:
         self._closed = threading.Event()
         self._wake = threading.Event()
         engine.set_recv_callback(self._on_message)
-        self._ticker = threading.Thread(target=self._tick_loop, name=f"kv-{self.role}-{instance}", daemon=True)
+        self._ticker = threading.Thread(
+            target=self._tick_loop, name=f"kv-{self.role}-{instance}", daemon=True
+        )
         self._ticker.start()
 
     # -- caches ----------------------------------------------------------------------------
@@ -137,13 +139,13 @@ class KvEndpoint:
         answered. Raises ``FabricTimeoutError`` if it does not answer within ``timeout``."""
         addr = address if isinstance(address, EngineAddress) else EngineAddress.from_bytes(bytes(address))
         key = addr.to_bytes()
-        event, box = threading.Event(), []
+        event, box = threading.Event(), list[PeerInfo]()
         with self._lock:
             self._welcomes[key] = (event, box)
         try:
-            self.engine.submit_send(addr, m.encode(m.HELLO, self.peer_id, **self._hello_fields())).result(
-                timeout=timeout
-            )
+            sent = self.engine.submit_send(addr, m.encode(m.HELLO, self.peer_id, **self._hello_fields()))
+            assert sent is not None
+            sent.result(timeout=timeout)
             if not event.wait(timeout):
                 raise FabricTimeoutError(f"no answer to HELLO from {addr.to_hex()[:24]}... within {timeout}s")
         finally:
@@ -187,7 +189,10 @@ class KvEndpoint:
 
         def done(err: BaseException | None) -> None:
             if err is not None and not self._closed.is_set():
-                self._lose(info.peer, KvPeerLostError(f"{info.role} {info.instance}/{info.tp_rank} unreachable: {err}"))
+                self._lose(
+                    info.peer,
+                    KvPeerLostError(f"{info.role} {info.instance}/{info.tp_rank} unreachable: {err}"),
+                )
 
         try:
             self.engine.submit_send(info.address, data, on_done=done)
@@ -221,7 +226,12 @@ class KvEndpoint:
             if info_or_none is None or kind == m.HEARTBEAT:
                 return  # unknown (lost or never joined) peers are ignored
             if kind == m.BYE:
-                self._lose(peer, KvPeerLostError(f"{info_or_none.role} {info_or_none.instance}/{info_or_none.tp_rank} left"))
+                self._lose(
+                    peer,
+                    KvPeerLostError(
+                        f"{info_or_none.role} {info_or_none.instance}/{info_or_none.tp_rank} left"
+                    ),
+                )
                 return
             self._handle(kind, info_or_none, msg)
         except (FabricError, KeyError, ValueError, TypeError) as e:
@@ -238,24 +248,31 @@ class KvEndpoint:
     def _tick_loop(self) -> None:
         next_beat = 0.0
         while not self._closed.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self.heartbeat_interval
-                beat = m.encode(m.HEARTBEAT, self.peer_id)
-                for info in self.peers:
-                    if now - info.last_seen > self.peer_timeout:
-                        self._lose(info.peer, KvPeerLostError(
-                            f"{info.role} {info.instance}/{info.tp_rank}: no heartbeat for {self.peer_timeout}s"
-                        ))
-                    else:
-                        self._send(info, beat)
-            try:
+            busy = False
+            try:  # a bug in one round must not stop heartbeats and timers
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.heartbeat_interval
+                    self._beat(now)
                 busy = self._tick(now)
-            except Exception:  # noqa: BLE001 - a timer bug must not stop heartbeats
-                _log.exception("kv timer failed")
-                busy = False
+            except Exception:  # noqa: BLE001 - logged, the loop goes on
+                _log.exception("kv timer round failed")
             self._wake.wait(0.005 if busy else min(0.05, self.heartbeat_interval))
             self._wake.clear()
+
+    def _beat(self, now: float) -> None:
+        """Heartbeats to every peer; peers silent for ``peer_timeout`` are lost."""
+        beat = m.encode(m.HEARTBEAT, self.peer_id)
+        for info in self.peers:
+            if now - info.last_seen > self.peer_timeout:
+                self._lose(
+                    info.peer,
+                    KvPeerLostError(
+                        f"{info.role} {info.instance}/{info.tp_rank}: no heartbeat for {self.peer_timeout}s"
+                    ),
+                )
+            else:
+                self._send(info, beat)
 
     def close(self) -> None:
         """Leaves every peer and stops the heartbeat thread (the engine stays the caller's)."""

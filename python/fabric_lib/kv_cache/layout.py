@@ -71,9 +71,7 @@ class KvLayout:
         if self.kind == "mla":
             return 1
         if self.num_kv_heads % tp_size:
-            raise InvalidArgumentError(
-                f"{self.num_kv_heads} KV heads do not divide evenly over TP {tp_size}"
-            )
+            raise InvalidArgumentError(f"{self.num_kv_heads} KV heads do not divide evenly over TP {tp_size}")
         return self.num_kv_heads // tp_size
 
     def head_range(self, tp_size: int, tp_rank: int) -> tuple[int, int]:

@@ -82,9 +82,7 @@ def plan_pair(layout: KvLayout, src_tp: int, src_rank: int, dst_tp: int, dst_ran
     )
 
 
-def chunk_blocks(
-    block_size: int, num_tokens: int, sent_blocks: int, tokens_done: int
-) -> tuple[int, int]:
+def chunk_blocks(block_size: int, num_tokens: int, sent_blocks: int, tokens_done: int) -> tuple[int, int]:
     """Blocks ``[sent_blocks, end)`` that become complete once ``tokens_done`` tokens of a
     ``num_tokens`` prompt are computed (the last, partial block only with the last token)."""
     end = -(-num_tokens // block_size) if tokens_done >= num_tokens else tokens_done // block_size

@@ -140,8 +140,15 @@ class KvReceiver(KvEndpoint):
             future.set_running_or_notify_cancel()
             released.set_running_or_notify_cancel()
             req = RecvRequest(
-                request_id, imm, expected, [ranks[r].peer for r in needed], future, released,
-                ctx_offset, context_bytes, time.monotonic() + self.request_timeout,
+                request_id,
+                imm,
+                expected,
+                [ranks[r].peer for r in needed],
+                future,
+                released,
+                ctx_offset,
+                context_bytes,
+                time.monotonic() + self.request_timeout,
                 self.engine.imm_counter(imm),
             )
             self._requests[request_id] = req
@@ -149,11 +156,22 @@ class KvReceiver(KvEndpoint):
                 imm, expected, lambda: self._reached(req), flag=flag, flag_value=flag_value
             )
             for i, r in enumerate(needed):
-                self._send(ranks[r], m.encode(
-                    m.REQUEST, self.peer_id, rid=request_id, dst_tp=self.tp_size, dst_rank=self.tp_rank,
-                    blocks=blocks, num_tokens=num_tokens, num_chunks=chunks[r], imm=imm,
-                    ctx_offset=ctx_offset or 0, ctx_len=context_bytes if i == 0 else 0,
-                ))
+                self._send(
+                    ranks[r],
+                    m.encode(
+                        m.REQUEST,
+                        self.peer_id,
+                        rid=request_id,
+                        dst_tp=self.tp_size,
+                        dst_rank=self.tp_rank,
+                        blocks=blocks,
+                        num_tokens=num_tokens,
+                        num_chunks=chunks[r],
+                        imm=imm,
+                        ctx_offset=ctx_offset or 0,
+                        ctx_len=context_bytes if i == 0 else 0,
+                    ),
+                )
         return req
 
     def cancel(self, request_id: str) -> Future[None]:
@@ -234,7 +252,9 @@ class KvReceiver(KvEndpoint):
                 return
             if not req.future.done():  # the prefiller gave up on its own
                 reason = str(msg.get("reason", ""))
-                self._abort(req, KvRequestCancelledError(f"prefiller {info.instance}/{info.tp_rank}: {reason}"))
+                self._abort(
+                    req, KvRequestCancelledError(f"prefiller {info.instance}/{info.tp_rank}: {reason}")
+                )
             req.acks[info.peer] = int(msg["issued"])
             req.waiting_acks.discard(info.peer)
             self._settle_cancel(req)
@@ -257,13 +277,18 @@ class KvReceiver(KvEndpoint):
         with self._lock:
             for req in list(self._requests.values()):
                 if req.cancel_deadline is None and now > req.deadline:
-                    self._abort(req, FabricTimeoutError(
-                        f"request {req.request_id!r} not complete within {self.request_timeout}s"
-                    ))
+                    self._abort(
+                        req,
+                        FabricTimeoutError(
+                            f"request {req.request_id!r} not complete within {self.request_timeout}s"
+                        ),
+                    )
                 if req.cancel_deadline is not None:
                     if req.waiting_acks and now > req.cancel_deadline:
                         for peer in list(req.waiting_acks):
-                            self._lose(peer, KvPeerLostError(f"no cancel confirmation within {self.cancel_timeout}s"))
+                            self._lose(
+                                peer, KvPeerLostError(f"no cancel confirmation within {self.cancel_timeout}s")
+                            )
                     self._settle_cancel(req)
                     busy = busy or not req.released.done()
         return busy

@@ -102,7 +102,9 @@ class ForwardPass:
         """Blocks until this pass's writes completed or failed (failures go to the requests)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._outstanding == 0, timeout):
-                raise FabricTimeoutError(f"{self._outstanding} writes of the forward pass still pending after {timeout}s")
+                raise FabricTimeoutError(
+                    f"{self._outstanding} writes of the forward pass still pending after {timeout}s"
+                )
 
 
 class KvSender(KvEndpoint):
@@ -122,7 +124,9 @@ class KvSender(KvEndpoint):
 
     role = "prefill"
 
-    def __init__(self, engine: Any, layout: Any, caches: Sequence[Any], *, request_timeout: float = 60.0, **kw: Any) -> None:
+    def __init__(
+        self, engine: Any, layout: Any, caches: Sequence[Any], *, request_timeout: float = 60.0, **kw: Any
+    ) -> None:
         self.request_timeout = request_timeout
         self._requests: dict[str, _SendRequest] = {}
         self._early: dict[str, list[tuple[PeerInfo, dict[str, Any]]]] = {}
@@ -222,7 +226,9 @@ class KvSender(KvEndpoint):
                     continue  # finished or cancelled meanwhile
                 ready = req.ready[layer]
                 if ready and ready[-1] >= tokens:
-                    raise InvalidArgumentError(f"layer {layer} of request {rid!r} reported twice for {tokens} tokens")
+                    raise InvalidArgumentError(
+                        f"layer {layer} of request {rid!r} reported twice for {tokens} tokens"
+                    )
                 ready.append(tokens)
                 for dest in list(req.dests.values()):
                     self._pump(req, dest, fwd)
@@ -249,35 +255,69 @@ class KvSender(KvEndpoint):
                     dest.calls[layer] += 1
         if req.context is not None and dest.ctx_len and not dest.ctx_sent and not dest.stopped:
             if len(req.context) != dest.ctx_len:
-                self._stop(req, dest, InvalidArgumentError(
-                    f"context is {len(req.context)} bytes, the decoder expects {dest.ctx_len}"
-                ))
+                self._stop(
+                    req,
+                    dest,
+                    InvalidArgumentError(
+                        f"context is {len(req.context)} bytes, the decoder expects {dest.ctx_len}"
+                    ),
+                )
                 return
             dest.ctx_sent = True
-            assert req.stage_offset is not None
-            self._issue(req, dest, fwd, lambda cb: self.engine.submit_write(
-                self.context_pool.region, dest.info.context, dest.ctx_len,
-                src_offset=req.stage_offset, dst_offset=dest.ctx_offset, imm=dest.imm, on_done=cb,
-            ))
+            stage = req.stage_offset
+            assert stage is not None
+            self._issue(
+                req,
+                dest,
+                fwd,
+                lambda cb: self.engine.submit_write(
+                    self.context_pool.region,
+                    dest.info.context,
+                    dest.ctx_len,
+                    src_offset=stage,
+                    dst_offset=dest.ctx_offset,
+                    imm=dest.imm,
+                    on_done=cb,
+                ),
+            )
         self._check_finished(req)
 
-    def _write_pages(self, req: _SendRequest, dest: _Destination, layer: int, lo: int, hi: int, fwd: ForwardPass | None) -> None:
+    def _write_pages(
+        self, req: _SendRequest, dest: _Destination, layer: int, lo: int, hi: int, fwd: ForwardPass | None
+    ) -> None:
         if lo == hi:
             self._bare_imm(req, dest, fwd)
             return
         assert req.blocks is not None
         plan = dest.plan
         src_units, dst_units = plan.units(req.blocks[lo:hi]), plan.units(dest.blocks[lo:hi])
-        self._issue(req, dest, fwd, lambda cb: self.engine.submit_paged_writes(
-            plan.length, self.cache_regions[layer], src_units, dest.info.caches[layer], dst_units,
-            src_stride=plan.src_unit_stride, src_offset=plan.src_offset,
-            dst_stride=plan.dst_unit_stride, dst_offset=plan.dst_offset, imm=dest.imm, on_done=cb,
-        ))
+        self._issue(
+            req,
+            dest,
+            fwd,
+            lambda cb: self.engine.submit_paged_writes(
+                plan.length,
+                self.cache_regions[layer],
+                src_units,
+                dest.info.caches[layer],
+                dst_units,
+                src_stride=plan.src_unit_stride,
+                src_offset=plan.src_offset,
+                dst_stride=plan.dst_unit_stride,
+                dst_offset=plan.dst_offset,
+                imm=dest.imm,
+                on_done=cb,
+            ),
+        )
 
     def _bare_imm(self, req: _SendRequest, dest: _Destination, fwd: ForwardPass | None) -> None:
-        self._issue(req, dest, fwd, lambda cb: self.engine.submit_imm(dest.imm, dest.info.address, on_done=cb))
+        self._issue(
+            req, dest, fwd, lambda cb: self.engine.submit_imm(dest.imm, dest.info.address, on_done=cb)
+        )
 
-    def _issue(self, req: _SendRequest, dest: _Destination, fwd: ForwardPass | None, submit: Callable[[Any], Any]) -> None:
+    def _issue(
+        self, req: _SendRequest, dest: _Destination, fwd: ForwardPass | None, submit: Callable[[Any], Any]
+    ) -> None:
         dest.issued += 1
         if fwd is not None:
             fwd._issued()
@@ -304,21 +344,40 @@ class KvSender(KvEndpoint):
         blocks = [int(b) for b in msg["blocks"]]
         L = self.layout.num_layers
         dest = _Destination(
-            info, plan or plan_pair(self.layout, 1, 0, 1, 0),  # type: ignore[arg-type]
-            blocks, num_chunks, int(msg["imm"]), int(msg["ctx_offset"]), int(msg["ctx_len"]),
-            [0] * L, [0] * L, [0] * L,
+            info,
+            plan or plan_pair(self.layout, 1, 0, 1, 0),  # type: ignore[arg-type]
+            blocks,
+            num_chunks,
+            int(msg["imm"]),
+            int(msg["ctx_offset"]),
+            int(msg["ctx_len"]),
+            [0] * L,
+            [0] * L,
+            [0] * L,
         )
         req.dests[info.peer] = dest
         if req.expected_dests is None:
             req.expected_dests = len(destinations(self.layout, self.tp_size, self.tp_rank, dst_tp))
         if plan is None:
-            self._stop(req, dest, InvalidArgumentError(f"decoder rank {dst_rank}/{dst_tp} reads nothing from rank {self.tp_rank}"))
+            self._stop(
+                req,
+                dest,
+                InvalidArgumentError(
+                    f"decoder rank {dst_rank}/{dst_tp} reads nothing from rank {self.tp_rank}"
+                ),
+            )
         elif int(msg["num_tokens"]) != req.num_tokens or len(blocks) != len(req.blocks or []):
-            self._stop(req, dest, InvalidArgumentError(
-                f"decoder expects {msg['num_tokens']} tokens in {len(blocks)} blocks; "
-                f"the prefiller has {req.num_tokens} in {len(req.blocks or [])}"
-            ))
-        elif num_chunks < 1 or any(not 0 <= b < info.caches[0].length // self.layout.page_bytes(dst_tp) for b in blocks):
+            self._stop(
+                req,
+                dest,
+                InvalidArgumentError(
+                    f"decoder expects {msg['num_tokens']} tokens in {len(blocks)} blocks; "
+                    f"the prefiller has {req.num_tokens} in {len(req.blocks or [])}"
+                ),
+            )
+        elif num_chunks < 1 or any(
+            not 0 <= b < info.caches[0].length // self.layout.page_bytes(dst_tp) for b in blocks
+        ):
             self._stop(req, dest, InvalidArgumentError("decoder block ids or chunk count out of range"))
         else:
             self._pump(req, dest)
@@ -336,9 +395,16 @@ class KvSender(KvEndpoint):
             if dest.stopped:
                 dest.confirmed = True
                 if self._peers.get(dest.info.peer) is not None:
-                    self._send(dest.info, m.encode(
-                        m.CANCELLED, self.peer_id, rid=req.rid, issued=dest.issued, reason=f"{type(dest.error).__name__}: {dest.error}"
-                    ))
+                    self._send(
+                        dest.info,
+                        m.encode(
+                            m.CANCELLED,
+                            self.peer_id,
+                            rid=req.rid,
+                            issued=dest.issued,
+                            reason=f"{type(dest.error).__name__}: {dest.error}",
+                        ),
+                    )
                 req.finished_dests += 1
                 req.error = req.error or dest.error
             elif dest.complete():
@@ -383,7 +449,9 @@ class KvSender(KvEndpoint):
                 if any(i.peer == info.peer for i, _ in early):
                     self._early[rid] = [(i, x) for i, x in early if i.peer != info.peer]
                 if req is None or info.peer not in req.dests:
-                    self._send(info, m.encode(m.CANCELLED, self.peer_id, rid=rid, issued=0, reason="cancelled"))
+                    self._send(
+                        info, m.encode(m.CANCELLED, self.peer_id, rid=rid, issued=0, reason="cancelled")
+                    )
                     return
                 self._stop(req, req.dests[info.peer], KvRequestCancelledError("cancelled by the decoder"))
 
@@ -400,7 +468,9 @@ class KvSender(KvEndpoint):
         with self._lock:
             for req in list(self._requests.values()):
                 if now > req.deadline:
-                    err = FabricTimeoutError(f"request {req.rid!r} not finished within {self.request_timeout}s")
+                    err = FabricTimeoutError(
+                        f"request {req.rid!r} not finished within {self.request_timeout}s"
+                    )
                     req.error = req.error or err
                     for dest in list(req.dests.values()):
                         self._stop(req, dest, err)
@@ -423,4 +493,3 @@ def _as_bytes(data: Any) -> bytes:
     if isinstance(data, np.ndarray):
         return np.ascontiguousarray(data).tobytes()
     raise InvalidArgumentError(f"context must be bytes, a numpy array or a tensor, not {type(data).__name__}")
-
