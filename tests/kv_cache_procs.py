@@ -20,6 +20,7 @@ import zlib
 from typing import Any
 
 import numpy as np
+from fabric_lib.errors import InvalidArgumentError
 
 CTX = mp.get_context("spawn")
 P_BLOCKS, D_BLOCKS = 48, 64
@@ -241,14 +242,14 @@ class _NodeState:
         after that many passes without waiting; ``start_at`` resumes earlier requests."""
         for rid, name, blocks, n, _, _ in rids:
             if not start_at:
-                self.send_futures[rid] = self.endpoints[name].add_request(rid, blocks, n)
+                self.send_futures[f"{name}/{rid}"] = self.endpoints[name].add_request(rid, blocks, n)
         passes = max(len(r[4]) for r in rids)
         for k in range(start_at, passes):
             if stop_after is not None and k >= stop_after:
                 return {}
             by_ep: dict[str, dict[str, int]] = {}
             for rid, name, _, _, ends, _ in rids:
-                if k < len(ends) and (start_at or not self.send_futures[rid].done()):
+                if k < len(ends) and (start_at or not self.send_futures[f"{name}/{rid}"].done()):
                     by_ep.setdefault(name, {})[rid] = ends[k]
             for name, progress in by_ep.items():
                 ep = self.endpoints[name]
@@ -257,11 +258,13 @@ class _NodeState:
                     fwd.layer_ready(layer)
                 fwd.wait(30)
             for rid, name, _, _, ends, ctx in rids:
-                if k == len(ends) - 1 and ctx and not self.send_futures[rid].done():
-                    self.endpoints[name].send_context(rid, context_bytes(rid, ctx))
-                elif k == len(ends) - 1 and ctx and start_at:
-                    with contextlib.suppress(Exception):  # cancelled: the module refuses it
+                if k == len(ends) - 1 and ctx:
+                    finished = self.send_futures[f"{name}/{rid}"].done()
+                    try:
                         self.endpoints[name].send_context(rid, context_bytes(rid, ctx))
+                    except InvalidArgumentError:
+                        if not finished:  # only a finished (cancelled) request may refuse it
+                            raise
                 if cancel_after and cancel_after.get(rid) == k:
                     self.endpoints[name].cancel(rid)
         if not wait:
@@ -270,13 +273,132 @@ class _NodeState:
 
     def send_outcomes(self, rids: list[str], timeout: float = 30.0) -> dict[str, str | None]:
         out: dict[str, str | None] = {}
-        for rid in rids:
+        for key, future in self.send_futures.items():
+            rid = key.split("/", 1)[1]
+            if rid not in rids:
+                continue
             try:
-                self.send_futures[rid].result(timeout)
-                out[rid] = None
+                future.result(timeout)
+                out.setdefault(rid, None)
             except Exception as e:  # noqa: BLE001 - reported by name
-                out[rid] = type(e).__name__
+                out[rid] = out.get(rid) or type(e).__name__
         return out
+
+    def pending(self) -> dict[str, tuple[bool, int, int]]:
+        """Decoder requests: (done, expected immediates, immediates counted so far)."""
+        return {k: (r.future.done(), r.expected, r.counter.value) for k, r in self.requests.items()}
 
     def pause(self, seconds: float) -> None:
         threading.Event().wait(seconds)
+
+
+# -- a real model (transformers, random weights from a config) ------------------------------
+def tiny_llama(config: dict[str, Any], seed: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(config)
+    dtype = getattr(torch, config.pop("dtype", "float32"))
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config)).to(dtype).eval()
+
+
+def pages_from_kv(layout: Any, cache: Any, blocks: list[int], k: Any, v: Any, lo: int, hi: int) -> None:
+    """Writes tokens ``[lo, hi)`` of one layer's K/V (``[1, heads, tokens, head_dim]``) into
+    the paged ``cache``."""
+    for t in range(lo, hi):
+        b, o = blocks[t // layout.block_size], t % layout.block_size
+        for kv, src in ((0, k), (1, v)):
+            if layout.kind == "nhd":
+                cache[b, kv, o] = src[0, :, t]
+            else:
+                cache[b, kv, :, o] = src[0, :, t]
+
+
+def kv_from_pages(layout: Any, cache: Any, blocks: list[int], n: int) -> tuple[Any, Any]:
+    """One layer's K/V ``[1, heads, n, head_dim]`` gathered from the paged ``cache``."""
+    pages = cache[blocks]  # [nb, 2, ...]
+    if layout.kind == "nhd":  # [nb, 2, bs, H, D] -> [2, H, nb*bs, D]
+        kv = pages.permute(1, 3, 0, 2, 4).reshape(2, pages.shape[3], -1, pages.shape[4])
+    else:  # [nb, 2, H, bs, D] -> [2, H, nb*bs, D]
+        kv = pages.permute(1, 2, 0, 3, 4).reshape(2, pages.shape[2], -1, pages.shape[4])
+    return kv[0, :, :n].unsqueeze(0).contiguous(), kv[1, :, :n].unsqueeze(0).contiguous()
+
+
+def _greedy_steps(model: Any, cache: Any, first_logits: Any, steps: int) -> list[Any]:
+    import torch
+
+    out, logits = [], first_logits
+    with torch.no_grad():
+        for _ in range(steps):
+            token = logits.argmax(-1).reshape(1, 1)
+            logits = model(token, past_key_values=cache, use_cache=True).logits[0, -1]
+            out.append(logits.clone())
+    return out
+
+
+def _prefill_model(
+    self: Any,
+    name: str,
+    rid: str,
+    config: dict[str, Any],
+    seed: int,
+    prompt: list[int],
+    chunk: int,
+    blocks: list[int],
+    steps: int,
+) -> dict[str, Any]:
+    """Chunked prefill with per-layer streaming (a forward hook per decoder layer pages the
+    chunk's K/V and reports the layer), the last logits as the context, then the reference:
+    greedy decoding from this process's own cache (no disaggregation)."""
+    import torch
+    from transformers import DynamicCache
+
+    model, ep, caches = tiny_llama(config, seed), self.endpoints[name], self.caches[name]
+    cache, n = DynamicCache(), len(prompt)
+    done = ep.add_request(rid, blocks, n)
+    state: dict[str, Any] = {}
+
+    def hook(layer: int) -> Any:
+        def after(module: Any, args: Any, output: Any) -> None:
+            lay = cache.layers[layer]
+            pages_from_kv(ep.layout, caches[layer], blocks, lay.keys, lay.values, state["lo"], state["hi"])
+            state["fwd"].layer_ready(layer)
+
+        return after
+
+    handles = [blk.register_forward_hook(hook(i)) for i, blk in enumerate(model.model.layers)]
+    with torch.no_grad():
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            state.update(lo=lo, hi=hi, fwd=ep.begin_forward({rid: hi}))
+            logits = model(torch.tensor([prompt[lo:hi]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            state["fwd"].wait(30)
+    for h in handles:
+        h.remove()
+    ep.send_context(rid, logits.contiguous())
+    done.result(30)
+    ref = _greedy_steps(model, cache, logits, steps)
+    return {"first": logits.numpy().tobytes(), "steps": [x.numpy().tobytes() for x in ref]}
+
+
+def _decode_model(
+    self: Any, name: str, rid: str, config: dict[str, Any], seed: int, n: int, blocks: list[int], steps: int
+) -> dict[str, Any]:
+    """Waits for the request, rebuilds a DynamicCache from the received pages, decodes."""
+    import torch
+    from transformers import DynamicCache
+
+    model, ep, caches = tiny_llama(config, seed), self.endpoints[name], self.caches[name]
+    ctx = self.requests[f"{name}/{rid}"].wait(60)
+    first = torch.frombuffer(bytearray(ctx), dtype=getattr(torch, ep.layout.dtype))
+    cache = DynamicCache()
+    for layer in range(ep.layout.num_layers):
+        k, v = kv_from_pages(ep.layout, caches[layer], blocks, n)
+        cache.update(k, v, layer)
+    got = _greedy_steps(model, cache, first, steps)
+    return {"first": first.numpy().tobytes(), "steps": [x.numpy().tobytes() for x in got]}
+
+
+_NodeState.prefill_model = _prefill_model  # type: ignore[attr-defined]
+_NodeState.decode_model = _decode_model  # type: ignore[attr-defined]

@@ -115,7 +115,7 @@ class KvReceiver(KvEndpoint):
             raise KvPeerLostError(f"no rank of prefill instance {prefill_instance!r} has joined")
         src_tp = next(iter(ranks.values())).tp_size
         needed = sources(self.layout, src_tp, self.tp_size, self.tp_rank)
-        missing = [r for r in needed if r not in ranks]
+        missing = [r for r in range(src_tp) if r not in ranks]
         if missing:
             raise KvPeerLostError(f"prefill instance {prefill_instance!r}: ranks {missing} have not joined")
         chunks = {}
@@ -155,7 +155,9 @@ class KvReceiver(KvEndpoint):
             self.engine.set_imm_count_expected(
                 imm, expected, lambda: self._reached(req), flag=flag, flag_value=flag_value
             )
-            for i, r in enumerate(needed):
+            # Every rank of the instance hears of the request (those this rank reads nothing from
+            # get an empty one), so each prefiller rank knows when all decoder ranks are served.
+            for r in range(src_tp):
                 self._send(
                     ranks[r],
                     m.encode(
@@ -166,10 +168,11 @@ class KvReceiver(KvEndpoint):
                         dst_rank=self.tp_rank,
                         blocks=blocks,
                         num_tokens=num_tokens,
-                        num_chunks=chunks[r],
+                        num_chunks=chunks.get(r, 1),
                         imm=imm,
                         ctx_offset=ctx_offset or 0,
-                        ctx_len=context_bytes if i == 0 else 0,
+                        ctx_len=context_bytes if r == needed[0] else 0,
+                        empty=r not in needed,
                     ),
                 )
         return req

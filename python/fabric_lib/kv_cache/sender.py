@@ -28,9 +28,9 @@ import numpy as np
 
 from ..errors import FabricTimeoutError, InvalidArgumentError
 from . import messages as m
-from .endpoint import KvEndpoint, PeerInfo
+from .endpoint import KvEndpoint, PeerInfo, _log
 from .errors import KvPeerLostError, KvRequestCancelledError
-from .plan import PairPlan, chunk_blocks, destinations, plan_pair
+from .plan import PairPlan, chunk_blocks, plan_pair
 
 
 @dataclass
@@ -323,6 +323,7 @@ class KvSender(KvEndpoint):
             fwd._issued()
 
         def done(err: BaseException | None) -> None:
+            _log.debug("request %s -> %s: settled %r", req.rid, dest.info.peer, err)
             with self._lock:
                 dest.settled += 1
                 if err is not None:
@@ -357,8 +358,12 @@ class KvSender(KvEndpoint):
         )
         req.dests[info.peer] = dest
         if req.expected_dests is None:
-            req.expected_dests = len(destinations(self.layout, self.tp_size, self.tp_rank, dst_tp))
-        if plan is None:
+            req.expected_dests = dst_tp  # every decoder rank sends each prefiller rank a REQUEST
+        if msg.get("empty") and plan is None:
+            dest.stopped = dest.confirmed = True  # this decoder rank reads nothing from this rank
+            req.finished_dests += 1
+            self._check_finished(req)
+        elif plan is None:
             self._stop(
                 req,
                 dest,
