@@ -211,6 +211,9 @@ def test_killed_decoder_fails_its_requests_only(pair) -> None:
         d.call("request", name="d1r0", rid="live", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
         d2.call("request", name="d2r0", rid="dead", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
         p.call("serve", rids=[("dead", "p3r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
+        deadline = time.monotonic() + 10  # the prefiller has its request: pages are arriving
+        while d2.call("pending")["d2r0/dead"][2] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         d2.kill()
         t0 = time.monotonic()
         out = p.call("serve", rids=[("live", "p1r0", P_BL, N_TOKENS, ENDS, 0)])

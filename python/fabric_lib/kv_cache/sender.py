@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -131,7 +131,8 @@ class KvSender(KvEndpoint):
         self._requests: dict[str, _SendRequest] = {}
         self._early: dict[str, list[tuple[PeerInfo, dict[str, Any]]]] = {}
         self._done: dict[str, BaseException | None] = {}
-        self._retired: deque[str] = deque(maxlen=4096)  # finished ids a forward pass may still name
+        # finished ids (with why) that a forward pass or a late REQUEST may still name
+        self._retired: OrderedDict[str, str] = OrderedDict()
         super().__init__(engine, layout, caches, **kw)
 
     # -- the prefill engine's calls ---------------------------------------------------------
@@ -425,7 +426,9 @@ class KvSender(KvEndpoint):
         if req.stage_offset is not None:
             self.context_pool.release(req.stage_offset)
         self._done[req.rid] = error
-        self._retired.append(req.rid)
+        self._retired[req.rid] = "finished" if error is None else f"{type(error).__name__}: {error}"
+        while len(self._retired) > 4096:
+            self._retired.popitem(last=False)
         if error is None:
             req.future.set_result(None)
         else:
@@ -443,7 +446,13 @@ class KvSender(KvEndpoint):
         with self._lock:
             req = self._requests.get(rid)
             if kind == m.REQUEST:
-                if req is None:
+                if req is None and rid in self._retired:  # cancelled before this decoder asked
+                    self._send(
+                        info,
+                        m.encode(m.CANCELLED, self.peer_id, rid=rid, issued=0, reason=self._retired[rid]),
+                    )
+                elif req is None:
+                    msg["arrived"] = time.monotonic()
                     self._early.setdefault(rid, []).append((info, msg))
                 elif info.peer in req.dests:
                     raise InvalidArgumentError(f"duplicate request {rid!r} from {info.peer}")
@@ -471,6 +480,15 @@ class KvSender(KvEndpoint):
 
     def _tick(self, now: float) -> bool:
         with self._lock:
+            for rid, early in list(self._early.items()):  # asked for, never added here
+                stale = [(i, x) for i, x in early if now - x["arrived"] > self.request_timeout]
+                for info, _ in stale:
+                    reason = f"the prefiller was not given request {rid!r} within {self.request_timeout}s"
+                    self._send(info, m.encode(m.CANCELLED, self.peer_id, rid=rid, issued=0, reason=reason))
+                if stale:
+                    self._early[rid] = [e for e in early if e not in stale]
+                if not self._early[rid]:
+                    del self._early[rid]
             for req in list(self._requests.values()):
                 if now > req.deadline:
                     err = FabricTimeoutError(
