@@ -18,9 +18,9 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-if ! $PY -c "import maturin, pytest, pytest_timeout, hypothesis, numpy, torch" >/dev/null 2>&1; then
+if ! $PY -c "import maturin, pytest, pytest_timeout, hypothesis, numpy, torch, transformers" >/dev/null 2>&1; then
     echo "setup: installing Python packages (torch is large; first run takes a few minutes)"
-    $PY -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=8" pytest-timeout hypothesis numpy torch
+    $PY -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=8" pytest-timeout hypothesis numpy torch transformers
 fi
 
 if ! command -v cargo >/dev/null; then

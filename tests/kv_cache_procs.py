@@ -325,6 +325,13 @@ def kv_from_pages(layout: Any, cache: Any, blocks: list[int], n: int) -> tuple[A
     return kv[0, :, :n].unsqueeze(0).contiguous(), kv[1, :, :n].unsqueeze(0).contiguous()
 
 
+def _raw(t: Any) -> bytes:
+    """A tensor's bytes (any dtype, bf16 included)."""
+    import torch
+
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def _greedy_steps(model: Any, cache: Any, first_logits: Any, steps: int) -> list[Any]:
     import torch
 
@@ -379,7 +386,7 @@ def _prefill_model(
     ep.send_context(rid, logits.contiguous())
     done.result(30)
     ref = _greedy_steps(model, cache, logits, steps)
-    return {"first": logits.numpy().tobytes(), "steps": [x.numpy().tobytes() for x in ref]}
+    return {"first": _raw(logits), "steps": [_raw(x) for x in ref]}
 
 
 def _decode_model(
@@ -397,7 +404,7 @@ def _decode_model(
         k, v = kv_from_pages(ep.layout, caches[layer], blocks, n)
         cache.update(k, v, layer)
     got = _greedy_steps(model, cache, first, steps)
-    return {"first": first.numpy().tobytes(), "steps": [x.numpy().tobytes() for x in got]}
+    return {"first": _raw(first), "steps": [_raw(x) for x in got]}
 
 
 _NodeState.prefill_model = _prefill_model  # type: ignore[attr-defined]

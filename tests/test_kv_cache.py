@@ -80,7 +80,7 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=st.lists(request_st, min_size=1, max_size=5), seed=st.integers(0, 2**16))
 @pytest.mark.timeout(120)
 def test_concurrent_requests_are_byte_exact(cluster, batch, seed) -> None:

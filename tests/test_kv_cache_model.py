@@ -89,6 +89,20 @@ def test_disaggregated_decode_matches_local_decode(kind: str, dtype: str) -> Non
         assert len(got["steps"]) == STEPS
         for i, (a, b) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
             assert a == b, f"decode step {i}: logits differ from the local decode"
+        # control: the same decode from blocks that received nothing gives other logits
+        empty = [b for b in range(64) if b not in d_blocks][:nb]
+        blind = d.call(
+            "decode_model",
+            timeout=120,
+            name="d",
+            rid="m",
+            config=config,
+            seed=3,
+            n=len(prompt),
+            blocks=empty,
+            steps=STEPS,
+        )
+        assert blind["steps"][0] != ref["steps"][0]
     finally:
         for n in (d, p):
             if n is not None:
