@@ -303,6 +303,13 @@ def tiny_llama(config: dict[str, Any], seed: int) -> Any:
     return LlamaForCausalLM(LlamaConfig(**config)).to(dtype).eval()
 
 
+def layer_kv(cache: Any, layer: int) -> tuple[Any, Any]:
+    """One layer's K/V tensors of a DynamicCache (``layers`` in newer transformers)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
 def pages_from_kv(layout: Any, cache: Any, blocks: list[int], k: Any, v: Any, lo: int, hi: int) -> None:
     """Writes tokens ``[lo, hi)`` of one layer's K/V (``[1, heads, tokens, head_dim]``) into
     the paged ``cache``."""
@@ -368,8 +375,8 @@ def _prefill_model(
 
     def hook(layer: int) -> Any:
         def after(module: Any, args: Any, output: Any) -> None:
-            lay = cache.layers[layer]
-            pages_from_kv(ep.layout, caches[layer], blocks, lay.keys, lay.values, state["lo"], state["hi"])
+            keys, values = layer_kv(cache, layer)
+            pages_from_kv(ep.layout, caches[layer], blocks, keys, values, state["lo"], state["hi"])
             state["fwd"].layer_ready(layer)
 
         return after
