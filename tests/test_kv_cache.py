@@ -243,3 +243,44 @@ def test_prefiller_joining_after_the_decoders_started(pair) -> None:
         )
     finally:
         late.close()
+
+
+@pytest.mark.timeout(120)
+def test_immediates_are_reused_after_completion_and_cancel() -> None:
+    """A decoder owning two immediate values serves many requests in turn (a cancelled one
+    included); a third concurrent request is refused with KvCapacityError."""
+    p = spawn_node("prefill", prefill_specs(LAYOUT, "p1", 1, chunk_tokens=8))
+    d = None
+    try:
+        d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1, imm_count=2))
+        d.call("connect", name="d1r0", addresses=list(p.addresses.values()))
+        for i in range(6):
+            rid = f"seq{i}"
+            d.call("fill", name="d1r0", value=SENTINEL)  # each request must write its pages anew
+            d.call("request", name="d1r0", rid=rid, instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8)
+            if i == 2:  # cancelled half way: its immediate comes back only after the confirmation
+                p.call("serve", rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)
+                d.call("cancel", name="d1r0", rid=rid)
+                continue
+            assert p.call("serve", rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)]) == {rid: None}
+            assert (
+                d.call("check", name="d1r0", rid=rid, p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL, ctx=8)
+                == []
+            )
+        d.call("request", name="d1r0", rid="x1", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d.call(
+            "request", name="d1r0", rid="x2", instance="p1", blocks=list(range(40, 50)), num_tokens=N_TOKENS
+        )
+        with pytest.raises(RuntimeError, match="KvCapacityError"):
+            d.call(
+                "request",
+                name="d1r0",
+                rid="x3",
+                instance="p1",
+                blocks=list(range(50, 60)),
+                num_tokens=N_TOKENS,
+            )
+    finally:
+        for n in (d, p):
+            if n is not None:
+                n.close()
