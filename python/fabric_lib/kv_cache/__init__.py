@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .endpoint import KvEndpoint, PeerInfo
 from .errors import KvCacheError, KvCapacityError, KvPeerLostError, KvRequestCancelledError
+from .layer_trigger import LayerTrigger
 from .layout import DTYPE_SIZES, KvLayout
 from .plan import PairPlan, chunk_blocks, destinations, plan_pair, sources
 from .receiver import KvReceiver, RecvRequest
@@ -36,11 +37,3 @@ __all__ = [
     "plan_pair",
     "sources",
 ]
-
-
-def __getattr__(name: str) -> object:
-    if name == "LayerTrigger":  # GPU glue: imported on use
-        from .layer_trigger import LayerTrigger
-
-        return LayerTrigger
-    raise AttributeError(name)
