@@ -58,12 +58,13 @@ if ! "$PY" -c "import matplotlib, tqdm" >/dev/null 2>&1; then
     echo "setup: installing the benchmark extras (matplotlib, tqdm) into $PY"
     "${PIP[@]}" "matplotlib>=3.7" "tqdm>=4.60"
 fi
-if ((WITH_TESTS)) && ! "$PY" -c "import pytest, pytest_timeout, hypothesis, numpy, torch" >/dev/null 2>&1; then
+if ((WITH_TESTS)) && ! "$PY" -c "import pytest, pytest_timeout, hypothesis, numpy, torch, transformers" >/dev/null 2>&1; then
     echo "setup: installing the test packages into $PY (torch is large; the first run takes minutes)"
     torch_index=()
     [ -n "${FABRIC_LIB_TORCH_INDEX_URL:-}" ] && torch_index=(--index-url "$FABRIC_LIB_TORCH_INDEX_URL")
     "${PIP[@]}" "${torch_index[@]}" "torch>=2.4"
-    "${PIP[@]}" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "numpy>=1.26"
+    # transformers: the KV-cache end-to-end test runs a real model (built from a config, no download).
+    "${PIP[@]}" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "numpy>=1.26" "transformers>=4.56"
 fi
 
 # nvcc 13.0.x compiles the CUDA kernels embedded in the wheel (rust/cuda-lib/build.rs). Without

@@ -1,0 +1,243 @@
+"""KV-cache transfer against prefill compute, CPU over tcp (fabric_lib.kv_cache).
+
+    python -m benchmarks.bench_kv_cache [--layers 6] [--prompts 4096,8192] [--block-sizes 16,128]
+                                        [--layout hnd] [--json-out PATH]
+
+Per-rank cache shape of Qwen3-235B at TP4 as the issue states it (4 KV heads per rank, head dim
+128, bf16; 2 KiB of K+V per token per layer). The prefiller (this process) and the decoder (a
+spawned process) each own a tcp engine. For every block size and prompt length:
+
+- **transfer only**: every layer released back to back; per-layer transfer time = time until
+  the decoder's immediate count completes / layers; pages/s and GB/s from the same run.
+- **pipelined with compute**: a real model (transformers Llama layers, random weights, fp32 on
+  CPU; 8 query heads and 4 KV heads of dim 128, hidden 1024, MLP 2048) prefills the prompt;
+  after each layer a forward hook pages its K/V (bf16) into the cache and releases the layer.
+  Per-layer compute time is the mean time between hooks; **TTFT added** is the time from the
+  end of the last layer's compute to the decoder holding every page and the context.
+
+Scaled down for a 2-core machine, and said so in the output: 6 of 94 layers by default (per-layer
+numbers are what matter; a full request is 94x the bytes), prompts of 4K and 8K tokens by default
+(16K and 32K with ``--prompts``; the model's attention grows quadratically on the CPU), a model
+layer far smaller than Qwen3-235B's. Results go to ``bench-results/bench_kv_cache.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+KV_HEADS, HEAD_DIM = 4, 128
+
+
+def _decoder(conn: Any, layout_dict: dict[str, Any], num_blocks: int) -> None:
+    """The decode process: a KvReceiver answering ("request", rid, blocks, n) with the time
+    (CLOCK_MONOTONIC, shared by processes of one host) the request completed."""
+    import fabric_lib
+    import torch
+    from fabric_lib.kv_cache import KvLayout, KvReceiver
+
+    torch.set_num_threads(1)
+    layout = KvLayout.from_dict(layout_dict)
+    engine = fabric_lib.TransferEngine("tcp", poll_mode="busy", transfer_timeout=60.0)
+    caches = [
+        torch.zeros(layout.layer_shape(num_blocks, 1), dtype=torch.bfloat16) for _ in range(layout.num_layers)
+    ]
+    recv = KvReceiver(engine, layout, caches, instance="decode", request_timeout=300.0, context_bytes=1 << 16)
+    conn.send(engine.main_address.to_bytes())
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "exit":
+            break
+        if cmd[0] == "connect":
+            recv.connect(cmd[1])
+            conn.send("ok")
+            continue
+        _, rid, blocks, n, ctx = cmd
+        req = recv.request(rid, "prefill", blocks, n, context_bytes=ctx)
+        conn.send("asked")
+        req.wait(300)
+        conn.send(time.monotonic())
+    recv.close()
+    engine.stop()
+
+
+def _model(layers: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=65536,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _page_kv(layout: Any, cache: Any, blocks: Any, k: Any, v: Any) -> None:
+    """One layer's K/V ``[1, heads, n, dim]`` into the paged cache (vectorized)."""
+    import torch
+
+    nb, bs = len(blocks), layout.block_size
+    kv = torch.stack([k[0], v[0]]).to(torch.bfloat16)  # [2, H, n, D]
+    pad = nb * bs - kv.shape[2]
+    if pad:
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, pad))
+    kv = kv.reshape(2, kv.shape[1], nb, bs, kv.shape[3])  # [2, H, nb, bs, D]
+    cache[blocks] = kv.permute(2, 0, 3, 1, 4) if layout.kind == "nhd" else kv.permute(2, 0, 1, 3, 4)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import fabric_lib
+    import torch
+    from fabric_lib.kv_cache import KvLayout, KvSender
+    from transformers import DynamicCache
+
+    torch.set_num_threads(1)
+    model = _model(args.layers)
+    results = []
+    for bs in args.block_sizes:
+        layout = KvLayout(args.layout, args.layers, bs, KV_HEADS, HEAD_DIM, "bfloat16")
+        num_blocks = layout.blocks_for(max(args.prompts))
+        ctx_conn, child = mp.get_context("spawn").Pipe()
+        proc = mp.get_context("spawn").Process(
+            target=_decoder, args=(child, layout.to_dict(), num_blocks), daemon=True
+        )
+        proc.start()
+        engine = fabric_lib.TransferEngine("tcp", poll_mode="busy", transfer_timeout=60.0)
+        caches = [
+            torch.zeros(layout.layer_shape(num_blocks, 1), dtype=torch.bfloat16) for _ in range(args.layers)
+        ]
+        sender = KvSender(
+            engine, layout, caches, instance="prefill", request_timeout=300.0, context_bytes=1 << 16
+        )
+        try:
+            if not ctx_conn.poll(120):
+                raise RuntimeError("decoder process did not start")
+            ctx_conn.recv()  # the decoder's address: it joins us instead
+            ctx_conn.send(("connect", engine.main_address.to_bytes()))
+            ctx_conn.recv()
+            for n in args.prompts:
+                nb = layout.blocks_for(n)
+                blocks = torch.arange(nb)
+                page_bytes = layout.page_bytes(1)
+                # 1. transfer only
+                ctx_conn.send(("request", f"t{bs}-{n}", blocks.tolist(), n, 0))
+                ctx_conn.recv()
+                time.sleep(0.05)  # the REQUEST reaches the prefiller
+                sender.add_request(f"t{bs}-{n}", blocks.tolist(), n)
+                t0 = time.monotonic()
+                fwd = sender.begin_forward({f"t{bs}-{n}": n})
+                for layer in range(args.layers):
+                    fwd.layer_ready(layer)
+                t_done = ctx_conn.recv()
+                transfer_s = t_done - t0
+                nbytes = nb * page_bytes * args.layers
+                # 2. pipelined with the model's prefill
+                rid = f"p{bs}-{n}"
+                hidden_bytes = 1024 * 4
+                ctx_conn.send(("request", rid, blocks.tolist(), n, hidden_bytes))
+                ctx_conn.recv()
+                time.sleep(0.05)
+                sender.add_request(rid, blocks.tolist(), n)
+                cache = DynamicCache()
+                stamps: list[float] = []
+                page_s: list[float] = []
+                fwd = sender.begin_forward({rid: n})
+
+                def hook(layer: int) -> Any:
+                    def after(module: Any, a: Any, out: Any) -> None:
+                        t = time.monotonic()
+                        lay = cache.layers[layer]
+                        _page_kv(layout, caches[layer], blocks, lay.keys, lay.values)
+                        page_s.append(time.monotonic() - t)
+                        fwd.layer_ready(layer)
+                        stamps.append(time.monotonic())
+
+                    return after
+
+                handles = [b.register_forward_hook(hook(i)) for i, b in enumerate(model.model.layers)]
+                ids = torch.randint(0, 1000, (1, n))
+                with torch.no_grad():
+                    t_start = time.monotonic()
+                    out = model.model(ids, past_key_values=cache, use_cache=True)
+                for h in handles:
+                    h.remove()
+                t_last = stamps[-1]
+                sender.send_context(rid, out.last_hidden_state[0, -1].contiguous())
+                t_decoded = ctx_conn.recv()
+                layer_compute = [(stamps[0] - t_start)] + [b - a for a, b in zip(stamps, stamps[1:])]
+                per_layer_compute = sum(layer_compute[1:]) / max(1, len(layer_compute) - 1)
+                row = {
+                    "block_size": bs,
+                    "prompt_tokens": n,
+                    "layers": args.layers,
+                    "pages_per_layer": nb,
+                    "page_bytes": page_bytes,
+                    "bytes": nbytes,
+                    "transfer_s": transfer_s,
+                    "per_layer_transfer_ms": 1e3 * transfer_s / args.layers,
+                    "per_layer_compute_ms": 1e3 * per_layer_compute,
+                    "per_layer_paging_ms": 1e3 * sum(page_s) / len(page_s),
+                    "ttft_added_ms": 1e3 * (t_decoded - t_last),
+                    "pages_per_s": nb * args.layers / transfer_s,
+                    "gb_per_s": nbytes / transfer_s / 1e9,
+                    "transfer_hidden": transfer_s / args.layers < per_layer_compute,
+                }
+                row["ttft_added_below_one_layer"] = row["ttft_added_ms"] < row["per_layer_compute_ms"]
+                results.append(row)
+                print(
+                    f"block {bs:4d}  prompt {n:6d}  layer: transfer {row['per_layer_transfer_ms']:8.2f} ms"
+                    f"  compute {row['per_layer_compute_ms']:8.1f} ms  TTFT+ {row['ttft_added_ms']:7.2f} ms"
+                    f"  {row['pages_per_s']:9.0f} pages/s  {row['gb_per_s']:5.2f} GB/s",
+                    flush=True,
+                )
+        finally:
+            sender.close()
+            ctx_conn.send(("exit",))
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+            engine.stop()
+    return {
+        "benchmark": "bench_kv_cache",
+        "provider": "tcp (loopback, two processes)",
+        "shape": f"Qwen3-235B TP4 per rank as the issue states: {KV_HEADS} KV heads, head dim {HEAD_DIM}, bf16",
+        "layout": args.layout,
+        "scaled_down": (
+            f"{args.layers} of 94 layers; prompts {args.prompts}; model layer: hidden 1024, 8 query heads, "
+            f"4 KV heads x 128, MLP 2048, fp32 on CPU (1 thread); {os.cpu_count()} CPUs"
+        ),
+        "host": platform.node(),
+        "results": results,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192])
+    p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 128])
+    p.add_argument("--layout", choices=["nhd", "hnd"], default="hnd")
+    p.add_argument("--json-out", type=Path, default=REPO / "bench-results" / "bench_kv_cache.json")
+    args = p.parse_args()
+    result = run(args)
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()

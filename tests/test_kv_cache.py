@@ -1,0 +1,286 @@
+"""fabric_lib.kv_cache across processes over tcp: byte-exact pages for many concurrent requests
+(all layouts, TP 1->2 and 2->1, chunking that matches the decoder's count or not), cancellation
+from both sides, killed prefillers and decoders, a prefiller joining late."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+from fabric_lib.kv_cache import KvLayout
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kv_cache_procs import D_BLOCKS, P_BLOCKS, spawn_node
+
+LAYOUTS = {
+    "nhd-bf16": KvLayout("nhd", 3, 4, 4, 8, "bfloat16"),
+    "hnd-fp8": KvLayout("hnd", 2, 3, 4, 8, "float8_e4m3fn"),
+    "mla-bf16": KvLayout("mla", 2, 16, 1, 24, "bfloat16"),
+}
+SEEDS = {"p1": 11, "p2": 22, "p3": 33}
+SENTINEL = 0xAB
+_rids = itertools.count()
+
+
+def prefill_specs(layout: KvLayout, instance: str, tp: int, **kw) -> list[dict]:
+    return [
+        {
+            "name": f"{instance}r{r}",
+            "role": "prefill",
+            "instance": instance,
+            "tp_size": tp,
+            "tp_rank": r,
+            "layout": layout.to_dict(),
+            "seed": SEEDS[instance],
+            "kw": kw,
+        }
+        for r in range(tp)
+    ]
+
+
+def decode_specs(layout: KvLayout, instance: str, tp: int, **kw) -> list[dict]:
+    return [
+        {
+            "name": f"{instance}r{r}",
+            "role": "decode",
+            "instance": instance,
+            "tp_size": tp,
+            "tp_rank": r,
+            "layout": layout.to_dict(),
+            "kw": kw,
+        }
+        for r in range(tp)
+    ]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def cluster(request):
+    layout = LAYOUTS[request.param]
+    p = spawn_node("prefill", prefill_specs(layout, "p1", 1, chunk_tokens=8) + prefill_specs(layout, "p2", 2))
+    d = None
+    try:
+        d = spawn_node("decode", decode_specs(layout, "d1", 1) + decode_specs(layout, "d2", 2))
+        for name in d.addresses:
+            assert d.call("connect", name=name, addresses=list(p.addresses.values())) == 3
+        yield layout, p, d
+    finally:
+        for n in (d, p):
+            if n is not None:
+                n.close()
+
+
+request_st = st.tuples(
+    st.sampled_from(["p1", "p2"]),
+    st.sampled_from(["d1", "d2"]),
+    st.integers(1, 40),  # prompt tokens
+    st.integers(1, 5),  # chunks the prefiller runs
+    st.sampled_from([0, 8, 40]),  # context bytes
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(request_st, min_size=1, max_size=5), seed=st.integers(0, 2**16))
+@pytest.mark.timeout(120)
+def test_concurrent_requests_are_byte_exact(cluster, batch, seed) -> None:
+    layout, p, d = cluster
+    rng = random.Random(seed)
+    d_free = {i: rng.sample(range(D_BLOCKS), D_BLOCKS) for i in ("d1", "d2")}
+    p_free = {i: rng.sample(range(P_BLOCKS), P_BLOCKS) for i in ("p1", "p2")}
+    serve, checks = [], []
+    for d_name in d.addresses:
+        d.call("fill", name=d_name, value=SENTINEL)
+    for pi, di, n, chunks, ctx in batch:
+        rid = f"r{next(_rids)}"
+        nb = layout.blocks_for(n)
+        if len(d_free[di]) < nb or len(p_free[pi]) < nb:
+            continue
+        d_blocks = [d_free[di].pop() for _ in range(nb)]
+        p_blocks = [p_free[pi].pop() for _ in range(nb)]
+        ends = sorted(set(rng.sample(range(1, n + 1), min(chunks, n)) + [n]))
+        for r in range(2 if di == "d2" else 1):
+            d.call("request", name=f"{di}r{r}", rid=rid, instance=pi, blocks=d_blocks, num_tokens=n, ctx=ctx)
+            checks.append((f"{di}r{r}", rid, SEEDS[pi], p_blocks, d_blocks, ctx))
+        for r in range(2 if pi == "p2" else 1):
+            serve.append((rid, f"{pi}r{r}", p_blocks, n, ends, ctx))
+    assert all(v is None for v in p.call("serve", rids=serve).values())
+    used: dict[str, set[int]] = {}
+    for name, rid, p_seed, p_blocks, d_blocks, ctx in checks:
+        assert (
+            d.call("check", name=name, rid=rid, p_seed=p_seed, p_blocks=p_blocks, d_blocks=d_blocks, ctx=ctx)
+            == []
+        )
+        used.setdefault(name, set()).update(d_blocks)
+    for name in d.addresses:
+        rest = [b for b in range(D_BLOCKS) if b not in used.get(name, set())]
+        assert d.call("untouched", name=name, blocks=rest, value=SENTINEL), (
+            "pages written outside the requests"
+        )
+
+
+# -- failures and membership (one layout, fresh processes) ------------------------------------
+LAYOUT = LAYOUTS["nhd-bf16"]
+N_TOKENS = 37  # 10 blocks, 5 chunks of 8
+
+
+@pytest.fixture
+def pair():
+    p = spawn_node(
+        "prefill",
+        prefill_specs(LAYOUT, "p1", 1, chunk_tokens=8) + prefill_specs(LAYOUT, "p3", 1, chunk_tokens=8),
+    )
+    d = None
+    try:
+        d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1))
+        d.call("connect", name="d1r0", addresses=list(p.addresses.values()))
+        yield p, d
+    finally:
+        for n in (d, p):
+            if n is not None:
+                n.close()
+
+
+ENDS = [8, 16, 24, 32, 37]
+P_BL, D_BL = list(range(10)), list(range(20, 30))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("side", ["decoder", "prefiller"])
+def test_cancel_is_confirmed_and_nothing_lands_after(pair, side) -> None:
+    p, d = pair
+    d.call("fill", name="d1r0", value=SENTINEL)
+    d.call("request", name="d1r0", rid="c", instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8)
+    if side == "decoder":
+        p.call("serve", rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)  # 2 of 5 chunks
+        d.call("cancel", name="d1r0", rid="c")  # returns once the prefiller confirmed
+    else:
+        p.call("serve", rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], cancel_after={"c": 1}, wait=False)
+    err, _ = d.call("outcome", name="d1r0", rid="c")
+    assert err == "KvRequestCancelledError"
+    frozen = d.call("snapshot", name="d1r0")
+    assert p.call("send_outcomes", rids=["c"]) == {"c": "KvRequestCancelledError"}
+    # the prefill engine runs the request's remaining chunks anyway: nothing may land any more
+    p.call("serve", rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], start_at=2, wait=False)
+    time.sleep(0.5)
+    assert d.call("snapshot", name="d1r0") == frozen, "bytes landed after the confirmed cancel"
+    # the decoder's blocks and immediate are free again: a new request into them completes
+    d.call("request", name="d1r0", rid="c3", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
+    assert p.call("serve", rids=[("c3", "p3r0", P_BL, N_TOKENS, ENDS, 0)]) == {"c3": None}
+    assert d.call("check", name="d1r0", rid="c3", p_seed=SEEDS["p3"], p_blocks=P_BL, d_blocks=D_BL) == []
+
+
+@pytest.mark.timeout(120)
+def test_killed_prefiller_fails_its_requests_only(pair) -> None:
+    p, d = pair
+    other = spawn_node("prefill-b", prefill_specs(LAYOUT, "p2", 1, chunk_tokens=8))
+    try:
+        d.call("connect", name="d1r0", addresses=list(other.addresses.values()))
+        d.call("request", name="d1r0", rid="dead", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d.call(
+            "request", name="d1r0", rid="live", instance="p2", blocks=list(range(40, 50)), num_tokens=N_TOKENS
+        )
+        p.call("serve", rids=[("dead", "p1r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
+        t0 = time.monotonic()
+        p.kill()
+        err, _ = d.call("outcome", name="d1r0", rid="dead", timeout=30)
+        assert err == "KvPeerLostError"
+        assert time.monotonic() - t0 < 2.0 + 3.0  # peer_timeout + slack
+        assert other.call("serve", rids=[("live", "p2r0", P_BL, N_TOKENS, ENDS, 0)]) == {"live": None}
+        assert (
+            d.call(
+                "check",
+                name="d1r0",
+                rid="live",
+                p_seed=SEEDS["p2"],
+                p_blocks=P_BL,
+                d_blocks=list(range(40, 50)),
+            )
+            == []
+        )
+    finally:
+        other.close()
+
+
+@pytest.mark.timeout(120)
+def test_killed_decoder_fails_its_requests_only(pair) -> None:
+    p, d = pair
+    d2 = spawn_node("decode-b", decode_specs(LAYOUT, "d2", 1))
+    try:
+        d2.call("connect", name="d2r0", addresses=list(p.addresses.values()))
+        d.call("request", name="d1r0", rid="live", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d2.call("request", name="d2r0", rid="dead", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
+        p.call("serve", rids=[("dead", "p3r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
+        deadline = time.monotonic() + 10  # the prefiller has its request: pages are arriving
+        while d2.call("pending")["d2r0/dead"][2] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        d2.kill()
+        t0 = time.monotonic()
+        out = p.call("serve", rids=[("live", "p1r0", P_BL, N_TOKENS, ENDS, 0)])
+        assert out == {"live": None}
+        # the dead decoder's writes fail (TransferError) or its heartbeats stop (KvPeerLostError)
+        assert p.call("send_outcomes", rids=["dead"])["dead"] in ("TransferError", "KvPeerLostError")
+        assert time.monotonic() - t0 < 2.0 + 5.0
+        assert (
+            d.call("check", name="d1r0", rid="live", p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL) == []
+        )
+    finally:
+        d2.close()
+
+
+@pytest.mark.timeout(120)
+def test_prefiller_joining_after_the_decoders_started(pair) -> None:
+    p, d = pair
+    late = spawn_node("prefill-late", prefill_specs(LAYOUT, "p2", 1))
+    try:
+        # the newcomer joins with the decoder's address only; the decoder learns it from HELLO
+        late.call("connect", name="p2r0", addresses=list(d.addresses.values()))
+        d.call("request", name="d1r0", rid="new", instance="p2", blocks=D_BL, num_tokens=N_TOKENS, ctx=40)
+        assert late.call("serve", rids=[("new", "p2r0", P_BL, N_TOKENS, [N_TOKENS], 40)]) == {"new": None}
+        assert (
+            d.call("check", name="d1r0", rid="new", p_seed=SEEDS["p2"], p_blocks=P_BL, d_blocks=D_BL, ctx=40)
+            == []
+        )
+    finally:
+        late.close()
+
+
+@pytest.mark.timeout(120)
+def test_immediates_are_reused_after_completion_and_cancel() -> None:
+    """A decoder owning two immediate values serves many requests in turn (a cancelled one
+    included); a third concurrent request is refused with KvCapacityError."""
+    p = spawn_node("prefill", prefill_specs(LAYOUT, "p1", 1, chunk_tokens=8))
+    d = None
+    try:
+        d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1, imm_count=2))
+        d.call("connect", name="d1r0", addresses=list(p.addresses.values()))
+        for i in range(6):
+            rid = f"seq{i}"
+            d.call("fill", name="d1r0", value=SENTINEL)  # each request must write its pages anew
+            d.call("request", name="d1r0", rid=rid, instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8)
+            if i == 2:  # cancelled half way: its immediate comes back only after the confirmation
+                p.call("serve", rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)
+                d.call("cancel", name="d1r0", rid=rid)
+                continue
+            assert p.call("serve", rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)]) == {rid: None}
+            assert (
+                d.call("check", name="d1r0", rid=rid, p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL, ctx=8)
+                == []
+            )
+        d.call("request", name="d1r0", rid="x1", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d.call(
+            "request", name="d1r0", rid="x2", instance="p1", blocks=list(range(40, 50)), num_tokens=N_TOKENS
+        )
+        with pytest.raises(RuntimeError, match="KvCapacityError"):
+            d.call(
+                "request",
+                name="d1r0",
+                rid="x3",
+                instance="p1",
+                blocks=list(range(50, 60)),
+                num_tokens=N_TOKENS,
+            )
+    finally:
+        for n in (d, p):
+            if n is not None:
+                n.close()
