@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 def hook(layer: int) -> Any:
                     def after(module: Any, a: Any, out: Any) -> None:
                         t = time.monotonic()
-                        lay = cache.layers[layer]
+                        lay: Any = cache.layers[layer]  # a full-attention layer: .keys, .values
                         _page_kv(layout, caches[layer], blocks, lay.keys, lay.values)
                         page_s.append(time.monotonic() - t)
                         fwd.layer_ready(layer)

@@ -97,8 +97,10 @@ def main() -> None:
     layout = KvLayout("nhd", num_layers=4, block_size=16, num_kv_heads=4, head_dim=32, dtype="bfloat16")
     prompts = {"req-a": 100, "req-b": 37}
     chunk = 48
-    kw = {"poll_mode": "adaptive", "transfer_timeout": 20.0}
-    with fabric_lib.TransferEngine("tcp", **kw) as pe, fabric_lib.TransferEngine("tcp", **kw) as de:
+    with (
+        fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0) as pe,
+        fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0) as de,
+    ):
         p_caches = {
             f"layer.{i}": torch.zeros(layout.layer_shape(64, 1), dtype=torch.bfloat16) for i in range(4)
         }

@@ -7,13 +7,15 @@ prefill process (same dtype, CPU, one thread each)."""
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 import pytest
 
 pytest.importorskip("transformers")
 
 from fabric_lib.kv_cache import KvLayout
-from kv_cache_procs import spawn_node
+
+from .nodes import NodeState, decode_model, prefill_model, spawn_node
 
 CONFIG = dict(
     vocab_size=256,
@@ -30,7 +32,7 @@ STEPS = 6
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind,dtype", [("nhd", "float32"), ("hnd", "bfloat16")])
-def test_disaggregated_decode_matches_local_decode(kind: str, dtype: str) -> None:
+def test_disaggregated_decode_matches_local_decode(kind: Literal["nhd", "hnd"], dtype: str) -> None:
     config = {**CONFIG, "dtype": dtype}
     layout = KvLayout(
         kind, CONFIG["num_hidden_layers"], 4, CONFIG["num_key_value_heads"], CONFIG["head_dim"], dtype
@@ -59,11 +61,19 @@ def test_disaggregated_decode_matches_local_decode(kind: str, dtype: str) -> Non
             "decode",
             [{**spec, "name": "d", "role": "decode", "instance": "d", "kw": {"context_bytes": 4096}}],
         )
-        d.call("connect", name="d", addresses=list(p.addresses.values()))
+        d.call(NodeState.connect, name="d", addresses=list(p.addresses.values()))
         ctx = CONFIG["vocab_size"] * layout.itemsize
-        d.call("request", name="d", rid="m", instance="p", blocks=d_blocks, num_tokens=len(prompt), ctx=ctx)
+        d.call(
+            NodeState.request,
+            name="d",
+            rid="m",
+            instance="p",
+            blocks=d_blocks,
+            num_tokens=len(prompt),
+            ctx=ctx,
+        )
         ref = p.call(
-            "prefill_model",
+            prefill_model,
             timeout=120,
             name="p",
             rid="m",
@@ -75,7 +85,7 @@ def test_disaggregated_decode_matches_local_decode(kind: str, dtype: str) -> Non
             steps=STEPS,
         )
         got = d.call(
-            "decode_model",
+            decode_model,
             timeout=120,
             name="d",
             rid="m",
@@ -92,7 +102,7 @@ def test_disaggregated_decode_matches_local_decode(kind: str, dtype: str) -> Non
         # control: the same decode from blocks that received nothing gives other logits
         empty = [b for b in range(64) if b not in d_blocks][:nb]
         blind = d.call(
-            "decode_model",
+            decode_model,
             timeout=120,
             name="d",
             rid="m",

@@ -8,21 +8,18 @@ it must receive from the plan, the block ids and the seeds alone.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import multiprocessing as mp
 import os
-import signal
 import threading
 import time
-import traceback
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from fabric_lib.errors import InvalidArgumentError
+from fabric_lib.testing import spawn_ranks
 
-CTX = mp.get_context("spawn")
+R = TypeVar("R")
 P_BLOCKS, D_BLOCKS = 48, 64
 
 
@@ -45,40 +42,30 @@ def context_bytes(rid: str, n: int) -> bytes:
 
 
 class Node:
-    """The parent's handle on a node process."""
+    """The test's handle on a node: one rank of ``fabric_lib.testing`` whose state is a
+    ``NodeState``; ``call(NodeState.method, **kw)`` runs a method there."""
 
     def __init__(self, name: str, endpoints: list[dict[str, Any]]) -> None:
         self.name = name
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_serve, args=(child, endpoints), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-        self.addresses: dict[str, bytes] = self._answer(90)
+        self._ranks = spawn_ranks(
+            1,
+            setup=open_node,
+            setup_kwargs={"specs": endpoints},
+            teardown=close_node,
+            names=[name],
+            timeout=90,
+        )
+        (self.rank,) = self._ranks
+        self.addresses: dict[str, bytes] = self.rank.call(endpoint_addresses)
 
-    def call(self, cmd: str, timeout: float = 60.0, **kw: Any) -> Any:
-        self.conn.send((cmd, kw))
-        return self._answer(timeout)
-
-    def _answer(self, timeout: float) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"{self.name}: no answer within {timeout}s")
-        status, payload = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name} failed:\n{payload}")
-        return payload
+    def call(self, fn: Callable[..., R], /, timeout: float = 60.0, **kw: Any) -> R:
+        return self.rank.submit(fn, **kw).result(timeout)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid or 0, signal.SIGKILL)
-        self.proc.join(10)
+        self.rank.kill()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.proc.is_alive():
-                self.call("exit", timeout=20)
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.kill()
+        self._ranks.close()
 
 
 def spawn_node(name: str, endpoints: list[dict[str, Any]]) -> Node:
@@ -89,35 +76,26 @@ def spawn_node(name: str, endpoints: list[dict[str, Any]]) -> Node:
 
 
 # -- the child ----------------------------------------------------------------------------
-def _serve(conn: Any, specs: list[dict[str, Any]]) -> None:
+def open_node(specs: list[dict[str, Any]]) -> NodeState:
+    """The node rank's setup."""
     import logging
 
-    logging.basicConfig(level=os.environ.get("KV_TEST_LOG", "WARNING"))
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # die with the parent
-    try:
-        import torch
+    import torch
 
-        torch.set_num_threads(1)
-        node = _NodeState(specs)
-        conn.send(("ok", {n: e.engine.main_address.to_bytes() for n, e in node.endpoints.items()}))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", traceback.format_exc()))
-        return
-    while conn.poll(600):
-        cmd, kw = conn.recv()
-        if cmd == "exit":
-            node.close()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(node, cmd)(**kw)))
-        except BaseException:  # noqa: BLE001 - reported to the parent
-            conn.send(("error", traceback.format_exc()))
+    logging.basicConfig(level=os.environ.get("KV_TEST_LOG", "WARNING"))
+    torch.set_num_threads(1)
+    return NodeState(specs)
+
+
+def close_node(node: NodeState) -> None:
     node.close()
 
 
-class _NodeState:
+def endpoint_addresses(node: NodeState) -> dict[str, bytes]:
+    return {n: e.engine.main_address.to_bytes() for n, e in node.endpoints.items()}
+
+
+class NodeState:
     def __init__(self, specs: list[dict[str, Any]]) -> None:
         import fabric_lib
         import torch
@@ -351,7 +329,7 @@ def _greedy_steps(model: Any, cache: Any, first_logits: Any, steps: int) -> list
     return out
 
 
-def _prefill_model(
+def prefill_model(
     self: Any,
     name: str,
     rid: str,
@@ -396,7 +374,7 @@ def _prefill_model(
     return {"first": _raw(logits), "steps": [_raw(x) for x in ref]}
 
 
-def _decode_model(
+def decode_model(
     self: Any, name: str, rid: str, config: dict[str, Any], seed: int, n: int, blocks: list[int], steps: int
 ) -> dict[str, Any]:
     """Waits for the request, rebuilds a DynamicCache from the received pages, decodes."""
@@ -412,7 +390,3 @@ def _decode_model(
         cache.update(k, v, layer)
     got = _greedy_steps(model, cache, first, steps)
     return {"first": _raw(first), "steps": [_raw(x) for x in got]}
-
-
-_NodeState.prefill_model = _prefill_model  # type: ignore[attr-defined]
-_NodeState.decode_model = _decode_model  # type: ignore[attr-defined]

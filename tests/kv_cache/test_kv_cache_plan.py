@@ -97,7 +97,7 @@ def test_bad_tp_and_layouts_are_typed_errors() -> None:
 
 @given(block=st.integers(1, 16), tokens=st.integers(1, 200), chunk=st.integers(1, 64))
 def test_chunks_send_each_block_once(block: int, tokens: int, chunk: int) -> None:
-    sent, seen = 0, []
+    sent, seen = 0, list[int]()
     for end in [*range(chunk, tokens, chunk), tokens]:
         lo, hi = chunk_blocks(block, tokens, sent, end)
         assert lo == sent and hi * block <= max(end, 0) + block - 1 + (block if end >= tokens else 0)

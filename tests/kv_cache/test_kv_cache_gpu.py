@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_gpu(), reason="needs
 def test_cuda_graph_layer_trigger_streams_pages_same_host() -> None:
     layout = KvLayout("hnd", 4, 16, 8, 64, "bfloat16")
     L, n = layout.num_layers, 100
-    kw = {"poll_mode": "adaptive", "transfer_timeout": 20.0}
-    with fabric_lib.TransferEngine("tcp", **kw) as e1, fabric_lib.TransferEngine("tcp", **kw) as e2:
+    with (
+        fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0) as e1,
+        fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=20.0) as e2,
+    ):
         pc = [torch.zeros(layout.layer_shape(32, 1), dtype=torch.bfloat16, device="cuda") for _ in range(L)]
         dc = [torch.zeros(layout.layer_shape(40, 1), dtype=torch.bfloat16, device="cuda") for _ in range(L)]
         src = [torch.randn(layout.layer_shape(32, 1), device="cuda").to(torch.bfloat16) for _ in range(L)]

@@ -12,7 +12,8 @@ import pytest
 from fabric_lib.kv_cache import KvLayout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_cache_procs import D_BLOCKS, P_BLOCKS, spawn_node
+
+from .nodes import D_BLOCKS, P_BLOCKS, NodeState, spawn_node
 
 LAYOUTS = {
     "nhd-bf16": KvLayout("nhd", 3, 4, 4, 8, "bfloat16"),
@@ -63,7 +64,7 @@ def cluster(request):
     try:
         d = spawn_node("decode", decode_specs(layout, "d1", 1) + decode_specs(layout, "d2", 2))
         for name in d.addresses:
-            assert d.call("connect", name=name, addresses=list(p.addresses.values())) == 3
+            assert d.call(NodeState.connect, name=name, addresses=list(p.addresses.values())) == 3
         yield layout, p, d
     finally:
         for n in (d, p):
@@ -90,7 +91,7 @@ def test_concurrent_requests_are_byte_exact(cluster, batch, seed) -> None:
     p_free = {i: rng.sample(range(P_BLOCKS), P_BLOCKS) for i in ("p1", "p2")}
     serve, checks = [], []
     for d_name in d.addresses:
-        d.call("fill", name=d_name, value=SENTINEL)
+        d.call(NodeState.fill, name=d_name, value=SENTINEL)
     for pi, di, n, chunks, ctx in batch:
         rid = f"r{next(_rids)}"
         nb = layout.blocks_for(n)
@@ -100,21 +101,37 @@ def test_concurrent_requests_are_byte_exact(cluster, batch, seed) -> None:
         p_blocks = [p_free[pi].pop() for _ in range(nb)]
         ends = sorted(set(rng.sample(range(1, n + 1), min(chunks, n)) + [n]))
         for r in range(2 if di == "d2" else 1):
-            d.call("request", name=f"{di}r{r}", rid=rid, instance=pi, blocks=d_blocks, num_tokens=n, ctx=ctx)
+            d.call(
+                NodeState.request,
+                name=f"{di}r{r}",
+                rid=rid,
+                instance=pi,
+                blocks=d_blocks,
+                num_tokens=n,
+                ctx=ctx,
+            )
             checks.append((f"{di}r{r}", rid, SEEDS[pi], p_blocks, d_blocks, ctx))
         for r in range(2 if pi == "p2" else 1):
             serve.append((rid, f"{pi}r{r}", p_blocks, n, ends, ctx))
-    assert all(v is None for v in p.call("serve", rids=serve).values())
+    assert all(v is None for v in p.call(NodeState.serve, rids=serve).values())
     used: dict[str, set[int]] = {}
     for name, rid, p_seed, p_blocks, d_blocks, ctx in checks:
         assert (
-            d.call("check", name=name, rid=rid, p_seed=p_seed, p_blocks=p_blocks, d_blocks=d_blocks, ctx=ctx)
+            d.call(
+                NodeState.check,
+                name=name,
+                rid=rid,
+                p_seed=p_seed,
+                p_blocks=p_blocks,
+                d_blocks=d_blocks,
+                ctx=ctx,
+            )
             == []
         )
         used.setdefault(name, set()).update(d_blocks)
     for name in d.addresses:
         rest = [b for b in range(D_BLOCKS) if b not in used.get(name, set())]
-        assert d.call("untouched", name=name, blocks=rest, value=SENTINEL), (
+        assert d.call(NodeState.untouched, name=name, blocks=rest, value=SENTINEL), (
             "pages written outside the requests"
         )
 
@@ -133,7 +150,7 @@ def pair():
     d = None
     try:
         d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1))
-        d.call("connect", name="d1r0", addresses=list(p.addresses.values()))
+        d.call(NodeState.connect, name="d1r0", addresses=list(p.addresses.values()))
         yield p, d
     finally:
         for n in (d, p):
@@ -149,25 +166,29 @@ P_BL, D_BL = list(range(10)), list(range(20, 30))
 @pytest.mark.parametrize("side", ["decoder", "prefiller"])
 def test_cancel_is_confirmed_and_nothing_lands_after(pair, side) -> None:
     p, d = pair
-    d.call("fill", name="d1r0", value=SENTINEL)
-    d.call("request", name="d1r0", rid="c", instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8)
+    d.call(NodeState.fill, name="d1r0", value=SENTINEL)
+    d.call(NodeState.request, name="d1r0", rid="c", instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8)
     if side == "decoder":
-        p.call("serve", rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)  # 2 of 5 chunks
-        d.call("cancel", name="d1r0", rid="c")  # returns once the prefiller confirmed
+        p.call(NodeState.serve, rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)  # 2 of 5 chunks
+        d.call(NodeState.cancel, name="d1r0", rid="c")  # returns once the prefiller confirmed
     else:
-        p.call("serve", rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], cancel_after={"c": 1}, wait=False)
-    err, _ = d.call("outcome", name="d1r0", rid="c")
+        p.call(
+            NodeState.serve, rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], cancel_after={"c": 1}, wait=False
+        )
+    err, _ = d.call(NodeState.outcome, name="d1r0", rid="c")
     assert err == "KvRequestCancelledError"
-    frozen = d.call("snapshot", name="d1r0")
-    assert p.call("send_outcomes", rids=["c"]) == {"c": "KvRequestCancelledError"}
+    frozen = d.call(NodeState.snapshot, name="d1r0")
+    assert p.call(NodeState.send_outcomes, rids=["c"]) == {"c": "KvRequestCancelledError"}
     # the prefill engine runs the request's remaining chunks anyway: nothing may land any more
-    p.call("serve", rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], start_at=2, wait=False)
+    p.call(NodeState.serve, rids=[("c", "p1r0", P_BL, N_TOKENS, ENDS, 8)], start_at=2, wait=False)
     time.sleep(0.5)
-    assert d.call("snapshot", name="d1r0") == frozen, "bytes landed after the confirmed cancel"
+    assert d.call(NodeState.snapshot, name="d1r0") == frozen, "bytes landed after the confirmed cancel"
     # the decoder's blocks and immediate are free again: a new request into them completes
-    d.call("request", name="d1r0", rid="c3", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
-    assert p.call("serve", rids=[("c3", "p3r0", P_BL, N_TOKENS, ENDS, 0)]) == {"c3": None}
-    assert d.call("check", name="d1r0", rid="c3", p_seed=SEEDS["p3"], p_blocks=P_BL, d_blocks=D_BL) == []
+    d.call(NodeState.request, name="d1r0", rid="c3", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
+    assert p.call(NodeState.serve, rids=[("c3", "p3r0", P_BL, N_TOKENS, ENDS, 0)]) == {"c3": None}
+    assert (
+        d.call(NodeState.check, name="d1r0", rid="c3", p_seed=SEEDS["p3"], p_blocks=P_BL, d_blocks=D_BL) == []
+    )
 
 
 @pytest.mark.timeout(120)
@@ -175,21 +196,26 @@ def test_killed_prefiller_fails_its_requests_only(pair) -> None:
     p, d = pair
     other = spawn_node("prefill-b", prefill_specs(LAYOUT, "p2", 1, chunk_tokens=8))
     try:
-        d.call("connect", name="d1r0", addresses=list(other.addresses.values()))
-        d.call("request", name="d1r0", rid="dead", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d.call(NodeState.connect, name="d1r0", addresses=list(other.addresses.values()))
+        d.call(NodeState.request, name="d1r0", rid="dead", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
         d.call(
-            "request", name="d1r0", rid="live", instance="p2", blocks=list(range(40, 50)), num_tokens=N_TOKENS
+            NodeState.request,
+            name="d1r0",
+            rid="live",
+            instance="p2",
+            blocks=list(range(40, 50)),
+            num_tokens=N_TOKENS,
         )
-        p.call("serve", rids=[("dead", "p1r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
+        p.call(NodeState.serve, rids=[("dead", "p1r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
         t0 = time.monotonic()
         p.kill()
-        err, _ = d.call("outcome", name="d1r0", rid="dead", timeout=30)
+        err, _ = d.call(NodeState.outcome, name="d1r0", rid="dead", timeout=30)
         assert err == "KvPeerLostError"
         assert time.monotonic() - t0 < 2.0 + 3.0  # peer_timeout + slack
-        assert other.call("serve", rids=[("live", "p2r0", P_BL, N_TOKENS, ENDS, 0)]) == {"live": None}
+        assert other.call(NodeState.serve, rids=[("live", "p2r0", P_BL, N_TOKENS, ENDS, 0)]) == {"live": None}
         assert (
             d.call(
-                "check",
+                NodeState.check,
                 name="d1r0",
                 rid="live",
                 p_seed=SEEDS["p2"],
@@ -207,22 +233,23 @@ def test_killed_decoder_fails_its_requests_only(pair) -> None:
     p, d = pair
     d2 = spawn_node("decode-b", decode_specs(LAYOUT, "d2", 1))
     try:
-        d2.call("connect", name="d2r0", addresses=list(p.addresses.values()))
-        d.call("request", name="d1r0", rid="live", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
-        d2.call("request", name="d2r0", rid="dead", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
-        p.call("serve", rids=[("dead", "p3r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
+        d2.call(NodeState.connect, name="d2r0", addresses=list(p.addresses.values()))
+        d.call(NodeState.request, name="d1r0", rid="live", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d2.call(NodeState.request, name="d2r0", rid="dead", instance="p3", blocks=D_BL, num_tokens=N_TOKENS)
+        p.call(NodeState.serve, rids=[("dead", "p3r0", P_BL, N_TOKENS, ENDS, 0)], stop_after=2)
         deadline = time.monotonic() + 10  # the prefiller has its request: pages are arriving
-        while d2.call("pending")["d2r0/dead"][2] == 0 and time.monotonic() < deadline:
+        while d2.call(NodeState.pending)["d2r0/dead"][2] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         d2.kill()
         t0 = time.monotonic()
-        out = p.call("serve", rids=[("live", "p1r0", P_BL, N_TOKENS, ENDS, 0)])
+        out = p.call(NodeState.serve, rids=[("live", "p1r0", P_BL, N_TOKENS, ENDS, 0)])
         assert out == {"live": None}
         # the dead decoder's writes fail (TransferError) or its heartbeats stop (KvPeerLostError)
-        assert p.call("send_outcomes", rids=["dead"])["dead"] in ("TransferError", "KvPeerLostError")
+        assert p.call(NodeState.send_outcomes, rids=["dead"])["dead"] in ("TransferError", "KvPeerLostError")
         assert time.monotonic() - t0 < 2.0 + 5.0
         assert (
-            d.call("check", name="d1r0", rid="live", p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL) == []
+            d.call(NodeState.check, name="d1r0", rid="live", p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL)
+            == []
         )
     finally:
         d2.close()
@@ -234,11 +261,23 @@ def test_prefiller_joining_after_the_decoders_started(pair) -> None:
     late = spawn_node("prefill-late", prefill_specs(LAYOUT, "p2", 1))
     try:
         # the newcomer joins with the decoder's address only; the decoder learns it from HELLO
-        late.call("connect", name="p2r0", addresses=list(d.addresses.values()))
-        d.call("request", name="d1r0", rid="new", instance="p2", blocks=D_BL, num_tokens=N_TOKENS, ctx=40)
-        assert late.call("serve", rids=[("new", "p2r0", P_BL, N_TOKENS, [N_TOKENS], 40)]) == {"new": None}
+        late.call(NodeState.connect, name="p2r0", addresses=list(d.addresses.values()))
+        d.call(
+            NodeState.request, name="d1r0", rid="new", instance="p2", blocks=D_BL, num_tokens=N_TOKENS, ctx=40
+        )
+        assert late.call(NodeState.serve, rids=[("new", "p2r0", P_BL, N_TOKENS, [N_TOKENS], 40)]) == {
+            "new": None
+        }
         assert (
-            d.call("check", name="d1r0", rid="new", p_seed=SEEDS["p2"], p_blocks=P_BL, d_blocks=D_BL, ctx=40)
+            d.call(
+                NodeState.check,
+                name="d1r0",
+                rid="new",
+                p_seed=SEEDS["p2"],
+                p_blocks=P_BL,
+                d_blocks=D_BL,
+                ctx=40,
+            )
             == []
         )
     finally:
@@ -253,27 +292,48 @@ def test_immediates_are_reused_after_completion_and_cancel() -> None:
     d = None
     try:
         d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1, imm_count=2))
-        d.call("connect", name="d1r0", addresses=list(p.addresses.values()))
+        d.call(NodeState.connect, name="d1r0", addresses=list(p.addresses.values()))
         for i in range(6):
             rid = f"seq{i}"
-            d.call("fill", name="d1r0", value=SENTINEL)  # each request must write its pages anew
-            d.call("request", name="d1r0", rid=rid, instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8)
+            d.call(NodeState.fill, name="d1r0", value=SENTINEL)  # each request must write its pages anew
+            d.call(
+                NodeState.request,
+                name="d1r0",
+                rid=rid,
+                instance="p1",
+                blocks=D_BL,
+                num_tokens=N_TOKENS,
+                ctx=8,
+            )
             if i == 2:  # cancelled half way: its immediate comes back only after the confirmation
-                p.call("serve", rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)
-                d.call("cancel", name="d1r0", rid=rid)
+                p.call(NodeState.serve, rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)], stop_after=2)
+                d.call(NodeState.cancel, name="d1r0", rid=rid)
                 continue
-            assert p.call("serve", rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)]) == {rid: None}
+            assert p.call(NodeState.serve, rids=[(rid, "p1r0", P_BL, N_TOKENS, ENDS, 8)]) == {rid: None}
             assert (
-                d.call("check", name="d1r0", rid=rid, p_seed=SEEDS["p1"], p_blocks=P_BL, d_blocks=D_BL, ctx=8)
+                d.call(
+                    NodeState.check,
+                    name="d1r0",
+                    rid=rid,
+                    p_seed=SEEDS["p1"],
+                    p_blocks=P_BL,
+                    d_blocks=D_BL,
+                    ctx=8,
+                )
                 == []
             )
-        d.call("request", name="d1r0", rid="x1", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        d.call(NodeState.request, name="d1r0", rid="x1", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
         d.call(
-            "request", name="d1r0", rid="x2", instance="p1", blocks=list(range(40, 50)), num_tokens=N_TOKENS
+            NodeState.request,
+            name="d1r0",
+            rid="x2",
+            instance="p1",
+            blocks=list(range(40, 50)),
+            num_tokens=N_TOKENS,
         )
         with pytest.raises(RuntimeError, match="KvCapacityError"):
             d.call(
-                "request",
+                NodeState.request,
                 name="d1r0",
                 rid="x3",
                 instance="p1",
