@@ -25,47 +25,57 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
 
+from fabric_lib.testing import spawn_ranks
+
 REPO = Path(__file__).resolve().parent.parent
 KV_HEADS, HEAD_DIM = 4, 128
 
 
-def _decoder(conn: Any, layout_dict: dict[str, Any], num_blocks: int) -> None:
-    """The decode process: a KvReceiver answering ("request", rid, blocks, n) with the time
-    (CLOCK_MONOTONIC, shared by processes of one host) the request completed."""
-    import fabric_lib
-    import torch
-    from fabric_lib.kv_cache import KvLayout, KvReceiver
+class Decoder:
+    """The decode rank's state: an engine and a KvReceiver with its caches."""
 
-    torch.set_num_threads(1)
-    layout = KvLayout.from_dict(layout_dict)
-    engine = fabric_lib.TransferEngine("tcp", poll_mode="busy", transfer_timeout=60.0)
-    caches = [
-        torch.zeros(layout.layer_shape(num_blocks, 1), dtype=torch.bfloat16) for _ in range(layout.num_layers)
-    ]
-    recv = KvReceiver(engine, layout, caches, instance="decode", request_timeout=300.0, context_bytes=1 << 16)
-    conn.send(engine.main_address.to_bytes())
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "exit":
-            break
-        if cmd[0] == "connect":
-            recv.connect(cmd[1])
-            conn.send("ok")
-            continue
-        _, rid, blocks, n, ctx = cmd
-        req = recv.request(rid, "prefill", blocks, n, context_bytes=ctx)
-        conn.send("asked")
-        req.wait(300)
-        conn.send(time.monotonic())
-    recv.close()
-    engine.stop()
+    def __init__(self, layout_dict: dict[str, Any], num_blocks: int) -> None:
+        import fabric_lib
+        import torch
+        from fabric_lib.kv_cache import KvLayout, KvReceiver
+
+        torch.set_num_threads(1)
+        layout = KvLayout.from_dict(layout_dict)
+        self.engine = fabric_lib.TransferEngine("tcp", poll_mode="busy", transfer_timeout=60.0)
+        caches = [
+            torch.zeros(layout.layer_shape(num_blocks, 1), dtype=torch.bfloat16)
+            for _ in range(layout.num_layers)
+        ]
+        self.receiver = KvReceiver(
+            self.engine, layout, caches, instance="decode", request_timeout=300.0, context_bytes=1 << 16
+        )
+        self.requests: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.engine.stop()
+
+
+def connect(d: Decoder, address: bytes) -> None:
+    d.receiver.connect(address)
+
+
+def ask(d: Decoder, rid: str, blocks: list[int], n: int, ctx: int) -> None:
+    """Asks the prefiller for request ``rid`` (the decoder is asked first)."""
+    d.requests[rid] = d.receiver.request(rid, "prefill", blocks, n, context_bytes=ctx)
+
+
+def completed_at(d: Decoder, rid: str) -> float:
+    """Waits for request ``rid``; the time (CLOCK_MONOTONIC, shared by the processes of one
+    host) it completed."""
+    d.requests.pop(rid).wait(300)
+    return time.monotonic()
 
 
 def _model(layers: int) -> Any:
@@ -111,11 +121,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for bs in args.block_sizes:
         layout = KvLayout(args.layout, args.layers, bs, KV_HEADS, HEAD_DIM, "bfloat16")
         num_blocks = layout.blocks_for(max(args.prompts))
-        ctx_conn, child = mp.get_context("spawn").Pipe()
-        proc = mp.get_context("spawn").Process(
-            target=_decoder, args=(child, layout.to_dict(), num_blocks), daemon=True
+        ranks = spawn_ranks(
+            1,
+            setup=Decoder,
+            setup_kwargs={"layout_dict": layout.to_dict(), "num_blocks": num_blocks},
+            teardown=Decoder.close,
+            names=["decoder"],
+            timeout=120,
         )
-        proc.start()
+        (decoder,) = ranks
         engine = fabric_lib.TransferEngine("tcp", poll_mode="busy", transfer_timeout=60.0)
         caches = [
             torch.zeros(layout.layer_shape(num_blocks, 1), dtype=torch.bfloat16) for _ in range(args.layers)
@@ -124,32 +138,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine, layout, caches, instance="prefill", request_timeout=300.0, context_bytes=1 << 16
         )
         try:
-            if not ctx_conn.poll(120):
-                raise RuntimeError("decoder process did not start")
-            ctx_conn.recv()  # the decoder's address: it joins us instead
-            ctx_conn.send(("connect", engine.main_address.to_bytes()))
-            ctx_conn.recv()
+            decoder.call(connect, engine.main_address.to_bytes())  # the decoder joins the prefiller
             for n in args.prompts:
                 nb = layout.blocks_for(n)
                 blocks = torch.arange(nb)
                 page_bytes = layout.page_bytes(1)
                 # 1. transfer only
-                ctx_conn.send(("request", f"t{bs}-{n}", blocks.tolist(), n, 0))
-                ctx_conn.recv()
+                decoder.call(ask, f"t{bs}-{n}", blocks.tolist(), n, 0)
+                done = decoder.submit(completed_at, f"t{bs}-{n}")
                 time.sleep(0.05)  # the REQUEST reaches the prefiller
                 sender.add_request(f"t{bs}-{n}", blocks.tolist(), n)
                 t0 = time.monotonic()
                 fwd = sender.begin_forward({f"t{bs}-{n}": n})
                 for layer in range(args.layers):
                     fwd.layer_ready(layer)
-                t_done = ctx_conn.recv()
+                t_done = done.result(300)
                 transfer_s = t_done - t0
                 nbytes = nb * page_bytes * args.layers
                 # 2. pipelined with the model's prefill
                 rid = f"p{bs}-{n}"
                 hidden_bytes = 1024 * 4
-                ctx_conn.send(("request", rid, blocks.tolist(), n, hidden_bytes))
-                ctx_conn.recv()
+                decoder.call(ask, rid, blocks.tolist(), n, hidden_bytes)
+                done = decoder.submit(completed_at, rid)
                 time.sleep(0.05)
                 sender.add_request(rid, blocks.tolist(), n)
                 cache = DynamicCache()
@@ -177,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     h.remove()
                 t_last = stamps[-1]
                 sender.send_context(rid, out.last_hidden_state[0, -1].contiguous())
-                t_decoded = ctx_conn.recv()
+                t_decoded = done.result(300)
                 layer_compute = [(stamps[0] - t_start)] + [b - a for a, b in zip(stamps, stamps[1:])]
                 per_layer_compute = sum(layer_compute[1:]) / max(1, len(layer_compute) - 1)
                 row = {
@@ -206,10 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
         finally:
             sender.close()
-            ctx_conn.send(("exit",))
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+            ranks.close()
             engine.stop()
     return {
         "benchmark": "bench_kv_cache",
@@ -227,11 +234,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192])
-    p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 128])
-    p.add_argument("--layout", choices=["nhd", "hnd"], default="hnd")
-    p.add_argument("--json-out", type=Path, default=REPO / "bench-results" / "bench_kv_cache.json")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--layers", type=int, default=6, help="model layers (each streamed as it finishes)")
+    p.add_argument(
+        "--prompts", type=ints, default=[4096, 8192], help="prompt lengths in tokens, comma-separated"
+    )
+    p.add_argument("--block-sizes", type=ints, default=[16, 128], help="tokens per KV block, comma-separated")
+    p.add_argument("--layout", choices=["nhd", "hnd"], default="hnd", help="paged-cache layout")
+    p.add_argument(
+        "--json-out", type=Path, default=REPO / "bench-results" / "bench_kv_cache.json", help="result file"
+    )
     args = p.parse_args()
     result = run(args)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,34 +84,28 @@ def test_disaggregated_decode_matches_local_decode(kind: Literal["nhd", "hnd"], 
             blocks=p_blocks,
             steps=STEPS,
         )
-        got = d.call(
-            decode_model,
-            timeout=120,
-            name="d",
-            rid="m",
-            config=config,
-            seed=3,
-            n=len(prompt),
-            blocks=d_blocks,
-            steps=STEPS,
-        )
+
+        def decode(blocks: list[int]) -> dict:
+            return d.call(
+                decode_model,
+                timeout=120,
+                name="d",
+                rid="m",
+                config=config,
+                seed=3,
+                n=len(prompt),
+                blocks=blocks,
+                steps=STEPS,
+            )
+
+        got = decode(d_blocks)
         assert got["first"] == ref["first"], "the context (last prompt logits) differs"
         assert len(got["steps"]) == STEPS
         for i, (a, b) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
             assert a == b, f"decode step {i}: logits differ from the local decode"
         # control: the same decode from blocks that received nothing gives other logits
         empty = [b for b in range(64) if b not in d_blocks][:nb]
-        blind = d.call(
-            decode_model,
-            timeout=120,
-            name="d",
-            rid="m",
-            config=config,
-            seed=3,
-            n=len(prompt),
-            blocks=empty,
-            steps=STEPS,
-        )
+        blind = decode(empty)
         assert blind["steps"][0] != ref["steps"][0]
     finally:
         for n in (d, p):
