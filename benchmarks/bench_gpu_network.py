@@ -60,9 +60,13 @@ def descriptor(rx: Receiver) -> bytes:
 
 
 def counted_at(rx: Receiver, imm: int, n: int) -> float:
-    """Waits until ``imm`` arrived ``n`` times; when (CLOCK_MONOTONIC, shared on one host)."""
+    """Waits until ``imm`` arrived ``n`` times and the bytes are visible; when (CLOCK_MONOTONIC,
+    shared by the processes of one host). The device synchronize matters: shm's CUDA IPC path
+    copies device to device with ``cudaMemcpy``, which returns (and the immediate is counted)
+    before such a copy finished."""
     with rx.engine.imm_counter(imm) as c:
         c.wait(n, timeout=TIMEOUT)
+    torch.cuda.synchronize()
     return time.monotonic()
 
 

@@ -54,14 +54,18 @@ impl LocalMr {
         let iov = sys::iovec { iov_base: ptr as *mut std::ffi::c_void, iov_len: len };
         let mut attr =
             sys::fi_mr_attr { mr_iov: &iov, iov_count: 1, access: access.flags(), requested_key, ..Default::default() };
+        let mut flags = 0;
         if let Some(device) = cuda {
             attr.iface = sys::FI_HMEM_CUDA;
             attr.device.cuda = device as std::os::raw::c_int;
+            // The memory is device memory only (never host-accessible): shm then moves it by
+            // CUDA IPC instead of staging it through shared host memory (1.7 GB/s measured).
+            flags |= sys::FI_HMEM_DEVICE_ONLY;
         }
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
         // SAFETY: domain is open; `attr` and the iovec it points to live across the call; the
         // caller guarantees ptr/len describe memory that stays valid while registered.
-        let ret = unsafe { sys::shim_fi_mr_regattr(fids.domain, &attr, 0, &mut mr) };
+        let ret = unsafe { sys::shim_fi_mr_regattr(fids.domain, &attr, flags, &mut mr) };
         if ret != 0 {
             return Err(libfabric_error("fi_mr_regattr", ret.into()));
         }
