@@ -50,6 +50,9 @@ ssize_t shim_fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64
 ssize_t shim_fi_send(struct fid_ep *ep, const void *buf, size_t len, void *desc, fi_addr_t dest_addr, void *context) {
     return fi_send(ep, buf, len, desc, dest_addr, context);
 }
+ssize_t shim_fi_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags) {
+    return fi_sendmsg(ep, msg, flags);
+}
 ssize_t shim_fi_recv(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src_addr, void *context) {
     return fi_recv(ep, buf, len, desc, src_addr, context);
 }

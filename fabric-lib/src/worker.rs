@@ -672,7 +672,7 @@ impl Worker {
                 Op::Send { slot, len, dest } => {
                     let ptr = d.send_buffers.slot_ptr(slot);
                     let desc = d.send_buffers.desc();
-                    d.domain.post_send(ptr, len, desc, dest, context)
+                    d.domain.post_send(ptr, len, desc, dest, self.delivery, context)
                 }
             }
         };

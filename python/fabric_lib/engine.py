@@ -178,7 +178,7 @@ class TransferEngine:
         shard_min_bytes: single writes at least this long are split over the NICs [262144].
         paged_copy_blocks: blocks (SMs) of the same-host paged-copy kernel (GPU memory) [16].
         uvm_watcher_cpu: CPU to pin the UVM watcher threads to [not pinned].
-        write_completion: when a write's Future completes: "delivery" (the bytes are in the
+        write_completion: when a write's (or a message's) Future completes: "delivery" (the bytes are in the
             receiver's memory; a write the receiver refuses fails with TransferError),
             "transmit" (the source may be reused; only the receiver's immediate count says the
             bytes arrived) or "auto" (delivery on tcp and sockets, whose refusals are reported no

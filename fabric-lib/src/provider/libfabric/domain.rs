@@ -309,14 +309,34 @@ impl LibfabricDomain {
     ///
     /// # Safety
     /// As for [`LibfabricDomain::post_write`].
+    /// With `delivery_complete`, the completion means the receiver took the message
+    /// (FI_DELIVERY_COMPLETE): a send into a connection the receiver reset fails instead of
+    /// "succeeding" into the void.
     pub unsafe fn post_send(
         &mut self,
         local: *const u8,
         len: usize,
         desc: *mut c_void,
         dest: sys::fi_addr_t,
+        delivery_complete: bool,
         context: *mut OpContext,
     ) -> Result<Posted> {
+        if delivery_complete {
+            let iov = sys::iovec { iov_base: local as *mut c_void, iov_len: len };
+            let mut desc = desc;
+            let msg = sys::fi_msg {
+                msg_iov: &iov,
+                desc: &mut desc,
+                iov_count: 1,
+                addr: dest,
+                context: context as *mut c_void,
+                data: 0,
+            };
+            let flags = (sys::FI_DELIVERY_COMPLETE | sys::FI_COMPLETION) as u64;
+            // SAFETY: msg and the iov it points to live across the call (the provider copies
+            // them); buffer and context per the caller's contract.
+            return Self::posted("fi_sendmsg", unsafe { sys::shim_fi_sendmsg(self.fids.ep, &msg, flags) });
+        }
         // SAFETY: forwarded from the caller's contract.
         let ret =
             unsafe { sys::shim_fi_send(self.fids.ep, local as *const c_void, len, desc, dest, context as *mut c_void) };
