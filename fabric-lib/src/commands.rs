@@ -78,12 +78,14 @@ pub(crate) enum Command {
 }
 
 impl Command {
-    /// Fails the command with [`FabricError::Stopped`] on the calling thread.
-    pub(crate) fn fail_stopped(self) {
+    /// Answers a command that will never run: replies with [`FabricError::Stopped`] and returns
+    /// the request's completion, for the caller to report (the worker through its callback
+    /// thread, the engine on its own thread once the worker is gone).
+    pub(crate) fn into_stopped(self) -> Option<Notify> {
         match self {
             Command::Transfer(Transfer { on_done, .. })
             | Command::SameHost(SameHostTransfer { on_done, .. })
-            | Command::Send(SendCommand { on_done, .. }) => on_done.now(Err(FabricError::Stopped)),
+            | Command::Send(SendCommand { on_done, .. }) => return Some(on_done),
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
@@ -95,5 +97,6 @@ impl Command {
             }
             Command::SetRecvCallback(_) | Command::Stop => {}
         }
+        None
     }
 }

@@ -538,11 +538,7 @@ impl Worker {
         }
         let local = self.same_host.as_mut().expect("opened above");
         match local.submit(id, region, SameHostSrc { kind, ptr }, dst, copy) {
-            Ok(()) => {
-                if let Some(r) = self.regions.get_mut(&region) {
-                    r.in_flight += 1;
-                }
-            }
+            Ok(()) => self.track_region(region, 1),
             Err(e) => self.fail_request(id, e),
         }
     }
@@ -575,19 +571,19 @@ impl Worker {
         }
     }
 
-    /// The registered region an operation reads from (none for library buffers).
-    fn source_region(op: &Op) -> Option<u64> {
-        match *op {
-            Op::Write { region, .. } if region != SCRATCH_REGION => Some(region),
-            _ => None,
+    /// Adjusts the count of operations that use a region, queued, posted or copying
+    /// (unregister refuses while it is not zero: the provider or CUDA may still read the
+    /// memory). Library buffers (SCRATCH_REGION) are not in `regions` and are not counted.
+    fn track_region(&mut self, region: u64, delta: isize) {
+        if let Some(r) = self.regions.get_mut(&region) {
+            r.in_flight = r.in_flight.saturating_add_signed(delta);
         }
     }
 
-    /// Adjusts the count of operations that use a region, queued or posted (unregister refuses
-    /// while it is not zero: the provider may still read the memory).
+    /// [`Worker::track_region`] for the region a post reads from (sends read library buffers).
     fn track(&mut self, op: &Op, delta: isize) {
-        if let Some(r) = Self::source_region(op).and_then(|r| self.regions.get_mut(&r)) {
-            r.in_flight = r.in_flight.saturating_add_signed(delta);
+        if let Op::Write { region, .. } = *op {
+            self.track_region(region, delta);
         }
     }
 
@@ -752,9 +748,7 @@ impl Worker {
             if local.poll(&mut done) {
                 active = true;
                 for (request, region, result) in done.drain(..) {
-                    if let Some(r) = self.regions.get_mut(&region) {
-                        r.in_flight = r.in_flight.saturating_sub(1);
-                    }
+                    self.track_region(region, -1);
                     self.finish(request, result);
                 }
             }
@@ -842,11 +836,7 @@ impl Worker {
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {
         match kind {
             OpKind::Write { request, region } => {
-                if region != SCRATCH_REGION {
-                    if let Some(r) = self.regions.get_mut(&region) {
-                        r.in_flight = r.in_flight.saturating_sub(1);
-                    }
-                }
+                self.track_region(region, -1);
                 self.finish(request, result);
             }
             OpKind::Send { request, slot, .. } => {
@@ -975,10 +965,12 @@ impl Worker {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }
         self.waiting_sends.clear();
-        self.flush_done();
         while let Ok(cmd) = self.rx.try_recv() {
-            cmd.fail_stopped();
+            if let Some(on_done) = cmd.into_stopped() {
+                self.notify(on_done, Err(FabricError::Stopped));
+            }
         }
+        self.flush_done();
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
         drop(self.same_host.take()); // waits for same-host copies still running
         drop(self); // closes every registration, then the endpoints and domains

@@ -83,12 +83,13 @@ impl TransferEngine {
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
         let register =
             |network| self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network, reply });
-        let keys = match self.hmem {
-            true => register(true).or_else(|e| {
+        let keys = if self.hmem {
+            register(true).or_else(|e| {
                 tracing::info!("GPU memory at {ptr:#x} not registered with the NIC ({e}); same-host peers only");
                 register(false)
-            })?,
-            false => register(false)?,
+            })?
+        } else {
+            register(false)?
         };
         self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind, network: !keys.is_empty() });
         let descriptor = MrDescriptor {

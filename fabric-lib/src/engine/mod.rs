@@ -190,7 +190,9 @@ impl TransferEngine {
 
     fn fail_leftovers(&self) {
         while let Ok(cmd) = self.leftovers.try_recv() {
-            cmd.fail_stopped();
+            if let Some(on_done) = cmd.into_stopped() {
+                on_done.now(Err(FabricError::Stopped));
+            }
         }
     }
 

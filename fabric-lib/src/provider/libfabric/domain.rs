@@ -198,19 +198,17 @@ impl LibfabricDomain {
         let mr_mode = self.info.mr_mode();
         let provider_keys = mr_mode & sys::FI_MR_PROV_KEY as u64 != 0;
         let key_bytes = self.info.mr_key_size().clamp(1, 8);
-        let mut last = None;
         for _ in 0..4 {
             let key = if provider_keys { 0 } else { random_key(key_bytes)? };
             match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode, cuda) {
-                Err(FabricError::Libfabric { code, .. }) if code == sys::FI_ENOKEY as i32 && !provider_keys => {
-                    last = Some(code); // that random key is taken: draw another
-                }
+                // That random key is taken: draw another.
+                Err(FabricError::Libfabric { code, .. }) if code == sys::FI_ENOKEY as i32 && !provider_keys => {}
                 other => return other,
             }
         }
         Err(FabricError::Libfabric {
-            call: "fi_mr_reg",
-            code: last.unwrap_or_default(),
+            call: "fi_mr_regattr",
+            code: sys::FI_ENOKEY as i32,
             message: "no free random memory key after 4 draws".into(),
         })
     }
