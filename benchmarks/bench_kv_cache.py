@@ -141,11 +141,11 @@ def _page_kv(layout: Any, cache: Any, blocks: Any, k: Any, v: Any) -> None:
 
 def _pipelined(
     model: Any, sender: Any, layout: Any, caches: list[Any], rid: str, n: int, device: str
-) -> tuple[float, list[float], list[float], Any]:
+) -> tuple[float, list[float], list[float]]:
     """Prefills ``n`` tokens; after each layer its K/V are paged into the cache and the layer is
-    released (on CPU by the hook, on a GPU by a kernel storing to a UVM watcher). Returns the
-    end of the last layer's compute (monotonic clock), per-layer compute and paging seconds, and
-    the last hidden state."""
+    released (on CPU by the hook, on a GPU by a kernel storing to a UVM watcher); the last
+    hidden state goes as the context as soon as it is computed. Returns the end of the last
+    layer's compute (monotonic clock) and per-layer compute and paging seconds."""
     import torch
     from fabric_lib.kv_cache import LayerTrigger
     from transformers import DynamicCache
@@ -195,11 +195,14 @@ def _pipelined(
             if gpu:
                 events[-1].synchronize()  # the CPU is idle: returns when the last layer is done
                 t_last = time.monotonic()
+            else:
+                t_last = stamps[-1]
+            sender.send_context(rid, out.last_hidden_state[0, -1].cpu().contiguous())
+            if gpu:
                 ms = [events[i].elapsed_time(events[i + 1]) for i in range(len(events) - 1)]
                 compute = [x / 1e3 for x in ms[0::2]]
                 page_s = [x / 1e3 for x in ms[1::2]]
             else:
-                t_last = stamps[-1]
                 compute = [stamps[0] - t_start] + [b - a for a, b in zip(stamps, stamps[1:])]
     finally:
         for h in handles:
@@ -210,7 +213,7 @@ def _pipelined(
                 time.sleep(1e-4)  # the watcher's callback releases the last layers
             fwd.wait(300)
             trigger.close()
-    return t_last, compute, page_s, out.last_hidden_state[0, -1]
+    return t_last, compute, page_s
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -274,8 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 done = decoder.submit(completed_at, rid)
                 time.sleep(0.05)
                 sender.add_request(rid, blocks, n)
-                t_last, compute, page_s, last = _pipelined(model, sender, layout, caches, rid, n, args.device)
-                sender.send_context(rid, last.cpu().contiguous())
+                t_last, compute, page_s = _pipelined(model, sender, layout, caches, rid, n, args.device)
                 t_decoded = done.result(300)
                 per_layer_compute = sum(compute[1:]) / max(1, len(compute) - 1)
                 row = {
