@@ -37,7 +37,7 @@ pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
 pub use engine::{DomainStats, MrHandle, TransferEngine};
 pub use error::{FabricError, Result};
-pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback};
+pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 pub use provider::libfabric::{list_providers, DomainSpec, ProviderSpec};
 pub use requests::{PagedWriteRequest, PeerGroup, ScatterSharding, ScatterTarget, WriteRequest};

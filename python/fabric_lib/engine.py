@@ -674,12 +674,18 @@ class TransferEngine:
         self._native.set_recv_callback(None if callback is None else guarded(callback))
 
     # -- GPU signalling ---------------------------------------------------------------------
-    def alloc_uvm_watcher(self, callback: Callable[[int, int], None], device: int = 0) -> UvmWatcher:
+    def alloc_uvm_watcher(
+        self, callback: Callable[[int, int], None], device: int = 0, *, inline: bool = False
+    ) -> UvmWatcher:
         """A 64-bit word in mapped pinned host memory that kernels (also inside CUDA graphs) write
         at ``watcher.ptr``; a polling thread per device calls ``callback(old, new)`` on the
         engine's callback thread after each change it sees (fast successive writes coalesce:
-        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching."""
-        return self._native.alloc_uvm_watcher(guarded(callback), device)
+        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching.
+
+        ``inline=True`` runs the callback on the polling thread itself: no hand-off to the
+        callback thread (lower latency), but the device's other watchers wait while it runs,
+        so keep it short."""
+        return self._native.alloc_uvm_watcher(guarded(callback), device, inline)
 
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
         """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an

@@ -30,6 +30,7 @@ mod server;
 mod throughput;
 mod tracker;
 mod units;
+mod watcher;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -50,6 +51,19 @@ enum Command {
     Server(server::ServerArgs),
     /// Connect to a server and run the tests.
     Client(client::ClientArgs),
+    /// GPU store -> Rust reaction latency through a UVM watcher (needs a GPU).
+    Watcher(watcher::WatcherArgs),
+}
+
+/// Prints a report as JSON or as its table.
+fn emit<R: serde::Serialize>(json: bool, report: &R, table: impl FnOnce() -> String) -> error::Result<()> {
+    if json {
+        let text = serde_json::to_string(report).map_err(|e| error::Error(format!("encoding JSON: {e}")))?;
+        println!("{text}");
+    } else {
+        print!("{}", table());
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -64,15 +78,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match &cli.command {
         Command::Server(args) => server::run(args),
-        Command::Client(args) => client::run(args).and_then(|report| {
-            if args.json {
-                let text = serde_json::to_string(&report).map_err(|e| error::Error(format!("encoding JSON: {e}")))?;
-                println!("{text}");
-            } else {
-                print!("{}", report.table());
-            }
-            Ok(())
-        }),
+        Command::Client(args) => client::run(args).and_then(|r| emit(args.json, &r, || r.table())),
+        Command::Watcher(args) => watcher::run(args).and_then(|r| emit(args.json, &r, || r.table())),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -80,6 +87,7 @@ fn main() -> ExitCode {
             let side = match cli.command {
                 Command::Server(_) => "server",
                 Command::Client(_) => "client",
+                Command::Watcher(_) => "watcher",
             };
             eprintln!("fabric-debug {side}: error: {e}");
             ExitCode::FAILURE
