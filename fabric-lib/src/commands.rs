@@ -5,8 +5,10 @@ use std::sync::Arc;
 use crossbeam_channel::Sender;
 
 use crate::completion::Notify;
+use crate::config::GpuRegistration;
 use crate::descriptor::MemoryKind;
 use crate::error::{FabricError, Result};
+use crate::provider::libfabric::NicRegistration;
 use crate::provider::same_host::{SameHostCopy, SameHostDst};
 use crate::sharding::{DeferredImm, Shard};
 
@@ -59,7 +61,11 @@ pub(crate) enum Command {
         len: usize,
         kind: MemoryKind,
         network: bool,
-        reply: Sender<Result<Vec<(u64, u64)>>>,
+        /// How GPU memory is registered with the NIC (FI_HMEM domains).
+        gpu_registration: GpuRegistration,
+        /// Per domain (key, remote base), and how GPU memory was registered (None: host memory,
+        /// or not registered with the NIC).
+        reply: Sender<Result<(Vec<(u64, u64)>, Option<NicRegistration>)>>,
     },
     Unregister {
         region: u64,
