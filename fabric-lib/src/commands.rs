@@ -52,6 +52,9 @@ pub(crate) struct SendCommand {
     pub on_done: Notify,
 }
 
+/// What a registration reports: per domain (key, remote base), and how GPU memory reached the NIC.
+pub(crate) type Registered = (Vec<(u64, u64)>, Option<NicRegistration>);
+
 pub(crate) enum Command {
     /// `network: false` records the region for same-host use only (GPU memory the NIC cannot
     /// reach); `network: true` registers it on every domain (GPU memory needs FI_HMEM).
@@ -65,7 +68,7 @@ pub(crate) enum Command {
         gpu_registration: GpuRegistration,
         /// Per domain (key, remote base), and how GPU memory was registered (None: host memory,
         /// or not registered with the NIC).
-        reply: Sender<Result<(Vec<(u64, u64)>, Option<NicRegistration>)>>,
+        reply: Sender<Result<Registered>>,
     },
     Unregister {
         region: u64,

@@ -95,7 +95,15 @@ impl TransferEngine {
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
         let gpu_registration = self.config.gpu_registration;
         let register = |network| {
-            self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network, gpu_registration, reply })
+            self.request(|reply| Command::Register {
+                region,
+                ptr: ptr as usize,
+                len,
+                kind,
+                network,
+                gpu_registration,
+                reply,
+            })
         };
         let (keys, nic) = if !self.hmem {
             register(false)?

@@ -8,9 +8,9 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::context::OpContext;
+use super::dmabuf::NicRegistration;
 use super::error::libfabric_error;
 use super::info::{resolve, DomainSpec, FabricInfo};
-use super::dmabuf::NicRegistration;
 use super::mr::{Access, LocalMr, MrMemory};
 use crate::config::GpuRegistration;
 use crate::error::{FabricError, Result};

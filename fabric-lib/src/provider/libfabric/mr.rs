@@ -76,7 +76,7 @@ impl LocalMr {
                     len,
                     base_addr: range.base as *mut std::ffi::c_void,
                 });
-                (device as i32, sys::SHIM_FI_MR_DMABUF as u64)
+                (device as i32, sys::SHIM_FI_MR_DMABUF)
             }
         };
         if device >= 0 {
