@@ -25,6 +25,7 @@ mod msg_buffers;
 pub mod provider;
 mod requests;
 pub mod sharding;
+pub mod staging;
 pub mod topology;
 mod worker;
 

@@ -234,12 +234,18 @@ impl LibfabricDomain {
         let ctx = cuda_lib::Context::new(device as usize)?;
         let range = cuda_lib::export_dmabuf_range(&ctx, ptr as u64, len)
             .map_err(|e| FabricError::Cuda(format!("exporting GPU memory {ptr:p}+{len} as DMA-BUF: {e}")))?;
-        let mut mr = self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Dmabuf(device, &range))?;
+        let mut mr = self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Dmabuf(Some(device), &range))?;
         mr.dmabuf = Some(range);
         Ok(mr)
     }
 
-    fn register_on(&mut self, ptr: *mut u8, len: usize, access: Access, memory: MrMemory<'_>) -> Result<LocalMr> {
+    pub(super) fn register_on(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        memory: MrMemory<'_>,
+    ) -> Result<LocalMr> {
         let mr_mode = self.info.mr_mode();
         let provider_keys = mr_mode & sys::FI_MR_PROV_KEY as u64 != 0;
         let key_bytes = self.info.mr_key_size().clamp(1, 8);

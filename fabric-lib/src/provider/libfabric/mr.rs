@@ -37,8 +37,9 @@ pub(super) enum MrMemory<'a> {
     Host,
     /// CUDA memory of a device, by address (`iface = FI_HMEM_CUDA`).
     Cuda(u32),
-    /// CUDA memory of a device, through a DMA-BUF exported for the range (`FI_MR_DMABUF`).
-    Dmabuf(u32, &'a cuda_lib::DmabufRange),
+    /// Memory behind a DMA-BUF (`FI_MR_DMABUF`): CUDA memory of a device (exported for the
+    /// range), or with `None` host memory (`iface = FI_HMEM_SYSTEM`).
+    Dmabuf(Option<u32>, &'a cuda_lib::DmabufRange),
 }
 
 /// A region registered on one domain. Holds its domain alive, and is closed before it.
@@ -76,7 +77,7 @@ impl LocalMr {
                     len,
                     base_addr: range.base as *mut std::ffi::c_void,
                 });
-                (device as i32, sys::SHIM_FI_MR_DMABUF)
+                (device.map_or(-1, |d| d as i32), sys::SHIM_FI_MR_DMABUF)
             }
         };
         if device >= 0 {
