@@ -128,7 +128,7 @@ mod tests {
             .expect("shm registers host memory through FI_MR_DMABUF");
         let mut src: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
         let src_mr = writer.register(src.as_mut_ptr(), len, Access::RemoteWrite).unwrap();
-        let peer = writer.resolve_peer(&target.address().to_vec()).unwrap();
+        let peer = writer.resolve_peer(target.address()).unwrap();
         let context = Box::into_raw(OpContext::new(OpKind::Write { request: 1, region: 1 }));
         let remote = dst.remote_base();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
