@@ -58,7 +58,10 @@ class MemoryRegion:
         self._owner = owner  # the tensor/buffer whose memory is registered
 
     def __repr__(self) -> str:
-        return f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind})"
+        return (
+            f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind}, "
+            f"registration={self.registration})"
+        )
 
     @property
     def kind(self) -> str:
