@@ -91,6 +91,18 @@ impl PyTransferEngine {
         Ok((handle.0, PyMrDescriptor(desc)))
     }
 
+    /// How a registration reached the NIC: "host" (host memory), "dmabuf" or "cuda" (GPU memory
+    /// through DMA-BUF or the CUDA interface), or "same-host" (GPU memory the NIC cannot reach).
+    fn region_registration(&self, py: Python<'_>, handle: u64) -> PyResult<&'static str> {
+        let handle = fabric_lib::MrHandle(handle);
+        let kind = self.engine.region_kind(handle).py(py)?;
+        Ok(match (kind, self.engine.region_nic_registration(handle).py(py)?) {
+            (_, Some(how)) => how.name(),
+            (MemoryKind::Host, None) => "host",
+            (MemoryKind::Cuda(_), None) => "same-host",
+        })
+    }
+
     /// A UVM watcher on `device`: `callback(old, new)` runs per change on the callback thread,
     /// or with `inline` on the watcher thread itself.
     #[pyo3(signature = (callback, device=0, inline=false))]
