@@ -20,10 +20,10 @@ import fabric_lib
 import fabric_lib.cuda as fcuda
 import pytest
 import torch
-from fabric_lib.errors import CudaUnavailableError
 from fabric_lib.kv_cache import KvLayout, KvReceiver, KvSender, LayerTrigger
 
 from .nodes import _greedy_steps, _raw, kv_from_pages, layer_kv, pages_from_kv
+from .test_kv_cache_gpu import _have_gpu
 
 pytest.importorskip("transformers")
 
@@ -38,13 +38,6 @@ CONFIG: dict[str, Any] = dict(
     max_position_embeddings=4096,
 )
 PROMPT, BLOCK, STEPS, TIMEOUT = 1000, 16, 6, 60.0
-
-
-def _have_gpu() -> bool:
-    try:
-        return torch.cuda.is_available() and fcuda.device_count() > 0 and fcuda.kernels()[0]
-    except CudaUnavailableError:
-        return False
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_gpu(), reason="needs a CUDA GPU and kernels")]
