@@ -144,6 +144,10 @@ impl Worker {
         };
         match decoded {
             Ok(Control::Readmit { nonce, old, reply_to, max_message_size }) => {
+                // Immediates that arrived before the handshake count under the ended epoch.
+                if !self.imm_batch.is_empty() {
+                    self.count_imm_batch();
+                }
                 if let Err(e) = self.answer_readmit(nonce, old, &reply_to, max_message_size) {
                     tracing::warn!("could not answer a peer's re-admission: {e}");
                 }
