@@ -26,7 +26,7 @@ from fabric_lib.errors import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .peer import peers
+from .peer import peers, wait_imms
 
 BAD_OPTIONS: list[dict[str, Any]] = [
     {"transfer_timeout": 1e19},
@@ -161,6 +161,58 @@ def test_timed_out_peer_is_fenced_until_readmitted() -> None:
                 assert time.monotonic() - t < 1.0, "a fenced peer fails at once"
             finally:
                 os.kill(receiver.pid, signal.SIGCONT)
-            assert e.readmit_peer(peer) is True
-            assert e.readmit_peer(peer) is False
+            assert e.readmit_peer(peer).fenced
+            assert not e.readmit_peer(peer), "re-admitting a peer that is not fenced does nothing"
             e.submit_write(region, dst, imm=3).result(timeout=10)
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOPs ``pid`` and waits until the kernel reports it stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "T":
+        assert time.monotonic() < deadline, "the peer never stopped"
+        time.sleep(0.005)
+
+
+REQUESTS = 100
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("provider", ["tcp", "shm", "udp;ofi_rxd"])
+def test_timed_out_requests_are_counted_once_after_readmission(provider: str) -> None:
+    """100 requests time out while the receiver is stopped; it resumes (and counts what was
+    queued at it); the writer re-admits it, learns what was counted and resends the rest. Every
+    immediate is counted exactly once: nothing of the ended epoch can be counted later."""
+    imms = range(1000, 1000 + REQUESTS)
+    with peers(provider, ["receiver"]) as (receiver,):
+        peer = fabric_lib.EngineAddress.from_bytes(receiver.address)
+        dst = fabric_lib.MrDescriptor.from_bytes(receiver.descriptor)
+        # Delivery completion: a write is done once it landed, so every provider times out on a
+        # stopped receiver (shm's transmit completion would report small writes done at once).
+        options: dict[str, Any] = {"transfer_timeout": 2.0, "write_completion": "delivery"}
+        with fabric_lib.TransferEngine(provider, poll_mode="adaptive", **options) as e:
+            src = np.ones(1 << 20, dtype=np.uint8)
+            region = e.register_memory(src.ctypes.data, src.nbytes, src)
+            e.submit_write(region, dst, 4096, imm=1).result(timeout=10)
+            _stop(receiver.pid)
+            try:
+                futures = [e.submit_write(region, dst, 4096, dst_offset=4096 * (i % 64), imm=i) for i in imms]
+                for f in futures:
+                    with pytest.raises(FabricTimeoutError):  # timed out, or failed by the fence
+                        f.result(timeout=30)
+            finally:
+                os.kill(receiver.pid, signal.SIGCONT)
+            readmission = e.readmit_peer(peer)
+            assert readmission.fenced and readmission.counted is not None
+            counted = readmission.counted
+            assert counted.get(1) == 1, "the report covers the whole epoch that ended"
+            assert all(counted.get(i, 0) <= 1 for i in imms)
+            missing = [i for i in imms if i not in counted]
+            for i in missing:
+                e.submit_write(region, dst, 4096, dst_offset=4096 * (i % 64), imm=i).result(timeout=10)
+            expected = {1: 1, **{i: 1 for i in imms}}
+            # Waits for every count, then checks that nothing more arrives (leftovers are zero).
+            left = receiver.call(wait_imms, expected, timeout=30.0, settle=1.0)
+            assert left == dict.fromkeys(expected, 0), "an immediate was counted twice"
+            print(f"{provider}: {REQUESTS - len(missing)} counted while stopped, {len(missing)} resent")
