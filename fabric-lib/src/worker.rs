@@ -692,7 +692,17 @@ impl Worker {
                             }
                         }
                     };
-                    d.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm_data, delivery, context)
+                    d.domain.post_write(
+                        ptr as *const u8,
+                        len,
+                        desc,
+                        dest,
+                        remote_addr,
+                        key,
+                        imm_data,
+                        delivery,
+                        context,
+                    )
                 }
                 Op::Send { slot, len, dest, data } => {
                     let ptr = d.send_buffers.slot_ptr(slot);

@@ -127,7 +127,8 @@ impl Receiver {
         let stat = format!("/proc/{}/stat", self.child.id());
         let deadline = Instant::now() + BOUND;
         // The state follows the parenthesised command name: "pid (comm) T ...".
-        while !std::fs::read_to_string(&stat).unwrap().rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T')) {
+        while !std::fs::read_to_string(&stat).unwrap().rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+        {
             assert!(Instant::now() < deadline, "the receiver never stopped");
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -161,7 +162,13 @@ impl Drop for Receiver {
     }
 }
 
-fn write(e: &TransferEngine, src: fabric_lib::MrHandle, dst: &MrDescriptor, imm: u32, domain: usize) -> mpsc::Receiver<fabric_lib::Result<()>> {
+fn write(
+    e: &TransferEngine,
+    src: fabric_lib::MrHandle,
+    dst: &MrDescriptor,
+    imm: u32,
+    domain: usize,
+) -> mpsc::Receiver<fabric_lib::Result<()>> {
     let (tx, rx) = mpsc::channel();
     let req = WriteRequest {
         src,

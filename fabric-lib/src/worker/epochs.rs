@@ -152,7 +152,9 @@ impl Worker {
                     tracing::warn!("could not answer a peer's re-admission: {e}");
                 }
             }
-            Ok(Control::Counted { nonce, next, part, parts, counts }) => self.on_counted(nonce, next, part, parts, counts),
+            Ok(Control::Counted { nonce, next, part, parts, counts }) => {
+                self.on_counted(nonce, next, part, parts, counts)
+            }
             Err(e) => {
                 self.oversized_messages.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("refused a control message: {e}");
