@@ -31,15 +31,19 @@ impl Worker {
     /// Applies this round's immediates: those of retired epochs are refused (counted as stale,
     /// logged), the rest go to the ImmCounter table and to their epoch's tally.
     pub(super) fn count_imm_batch(&mut self) {
-        let mut per_imm: HashMap<u32, u32> = HashMap::with_capacity(self.imm_batch.len());
+        let mut batch: Vec<(u32, u32)> = Vec::with_capacity(self.imm_batch.len());
         let mut stale = 0u64;
         for ((tag, imm), n) in self.imm_batch.drain() {
+            if !self.wide_cq_data {
+                batch.push((imm, n)); // no epochs to check or report
+                continue;
+            }
             if !self.received.accepts(tag) {
                 stale += u64::from(n);
                 continue;
             }
             self.received.record(tag, imm, n);
-            *per_imm.entry(imm).or_default() += n;
+            batch.push((imm, n)); // one value may appear once per writer: the table adds them
         }
         if stale > 0 {
             self.received.refuse(stale);
@@ -48,8 +52,7 @@ impl Worker {
                  engine); its re-admission report tells it what was counted"
             );
         }
-        if !per_imm.is_empty() {
-            let batch: Vec<(u32, u32)> = per_imm.into_iter().collect();
+        if !batch.is_empty() {
             let events = self.imm.add_batch(&batch);
             self.callbacks.push_imm_events(events);
         }
