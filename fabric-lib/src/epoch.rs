@@ -11,6 +11,9 @@
 //! and the tag the writer uses from then on. Every delivery of the ended epoch is therefore
 //! either counted before the handshake (and in the report) or dropped after it, never both.
 //!
+//! Same-host GPU writes announce their immediate with a zero-byte write over the provider, so
+//! they carry the tag as well.
+//!
 //! Needs 8 bytes of remote CQ data (`cq_data_size`; tcp, udp;ofi_rxd, shm and sockets in
 //! libfabric 1.17). With 4 (efa, verbs) writes carry the immediate only: the fence and the
 //! explicit re-admission hold, late deliveries are still counted and no report is available.
