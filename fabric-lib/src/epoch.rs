@@ -33,6 +33,8 @@ use crate::error::{FabricError, Result};
 /// Upper CQ-data bits of a control message; never a writer's tag.
 pub(crate) const CONTROL_TAG: u32 = u32::MAX;
 const CONTROL_MAGIC: [u8; 4] = *b"FLCM";
+/// Most parts a report may announce (bounds what a corrupt report makes the writer allocate).
+const MAX_REPORT_PARTS: u32 = 1 << 20;
 
 /// The remote CQ data of a write: the writer's epoch tag above the immediate.
 pub(crate) fn cq_data(tag: u32, imm: u32) -> u64 {
@@ -155,7 +157,7 @@ pub(crate) struct PendingReadmit {
 impl PendingReadmit {
     /// Adds one part of the answer; true once every part is in.
     pub fn add(&mut self, next: u32, part: u32, parts: u32, counts: EpochCounts) -> bool {
-        if parts == 0 || part >= parts || self.parts.is_some_and(|p| p != parts) {
+        if parts == 0 || parts > MAX_REPORT_PARTS || part >= parts || self.parts.is_some_and(|p| p != parts) {
             return false;
         }
         self.parts = Some(parts);
@@ -235,5 +237,8 @@ mod tests {
         assert_eq!(pending.counts.len(), 1000);
         assert_eq!(pending.counts[&(999 * 7919)], 999 << 33);
         assert!(Control::counted_parts(9, 77, &counts, 20).is_err());
+        // A part that does not fit the announced shape is ignored, never allocated for.
+        assert!(!pending.add(77, 0, u32::MAX, vec![]));
+        assert!(!pending.add(77, 5, 3, vec![]));
     }
 }
