@@ -353,7 +353,8 @@ impl Worker {
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Register { region, ptr, len, kind, network, reply } => {
+            Command::Register { region, ptr, len, kind, network, gpu_registration, reply } => {
+                let mut nic = None;
                 let mrs: Result<Vec<LocalMr>> = match (network, kind) {
                     (false, _) => Ok(Vec::new()),
                     (true, MemoryKind::Host) => self
@@ -361,14 +362,21 @@ impl Worker {
                         .iter_mut()
                         .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
                         .collect(),
-                    (true, MemoryKind::Cuda(device)) => {
-                        self.domains.iter_mut().map(|d| d.domain.register_cuda(ptr as *mut u8, len, device)).collect()
-                    }
+                    (true, MemoryKind::Cuda(device)) => self
+                        .domains
+                        .iter_mut()
+                        .map(|d| {
+                            let (mr, how) = d.domain.register_cuda(ptr as *mut u8, len, device, gpu_registration)?;
+                            // Reported: the fallback where domains differ.
+                            nic = nic.max(Some(how));
+                            Ok(mr)
+                        })
+                        .collect(),
                 };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
                     self.regions.insert(region, Region { mrs, ptr, kind, in_flight: 0 });
-                    keys
+                    (keys, nic)
                 });
                 let _ = reply.send(result);
             }

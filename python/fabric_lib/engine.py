@@ -66,16 +66,25 @@ class Readmission:
 class MemoryRegion:
     """A local registration: its handle, its descriptor for peers, and what keeps it alive."""
 
-    __slots__ = ("handle", "descriptor", "length", "_owner")
+    __slots__ = ("handle", "descriptor", "length", "registration", "_owner")
 
-    def __init__(self, handle: int, descriptor: MrDescriptor, length: int, owner: Any) -> None:
+    def __init__(
+        self, handle: int, descriptor: MrDescriptor, length: int, owner: Any, registration: str = "host"
+    ) -> None:
         self.handle = handle
         self.descriptor = descriptor
         self.length = length
+        #: How the memory reached the NIC: "host" (host memory), "dmabuf" or "cuda" (GPU memory
+        #: registered through DMA-BUF or by address with the CUDA interface), or "same-host" (GPU
+        #: memory the NIC cannot reach: CUDA IPC peers only).
+        self.registration = registration
         self._owner = owner  # the tensor/buffer whose memory is registered
 
     def __repr__(self) -> str:
-        return f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind})"
+        return (
+            f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind}, "
+            f"registration={self.registration})"
+        )
 
     @property
     def kind(self) -> str:
@@ -212,6 +221,10 @@ class TransferEngine:
             [None]. ``engine.gpu_network`` says whether it took effect.
         force_network: carry same-host transfers that involve GPU memory over the provider, as
             between two hosts, instead of CUDA IPC (tests and benchmarks) [False].
+        gpu_registration: how GPU memory is registered with the NIC where the provider has
+            FI_HMEM: "auto" (DMA-BUF where the running libfabric has it, 1.20 or newer, else or
+            when refused by address with the CUDA interface), "dmabuf" or "cuda" (only that
+            way; a refusal fails the registration) ["auto"]. ``region.registration`` says which.
 
     Timeouts: a request not completed within ``transfer_timeout`` fails with
     ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
@@ -253,6 +266,7 @@ class TransferEngine:
         write_completion: Literal["auto", "delivery", "transmit"] | None = None,
         gpu_network: bool | None = None,
         force_network: bool | None = None,
+        gpu_registration: Literal["auto", "dmabuf", "cuda"] | None = None,
     ) -> None:
         if isinstance(domain, str) or domain is None:
             domains = [] if domain is None else [domain]
@@ -278,6 +292,7 @@ class TransferEngine:
             "write_completion": write_completion,
             "gpu_network": gpu_network,
             "force_network": force_network,
+            "gpu_registration": gpu_registration,
         }
         native = _rust.TransferEngine(
             provider, domains, **{k: v for k, v in options.items() if v is not None}
@@ -376,7 +391,7 @@ class TransferEngine:
 
     def _register(self, ptr: int, length: int, owner: Any, device: int | None = None) -> MemoryRegion:
         handle, descriptor = self._native.register_memory(ptr, length, device)
-        region = MemoryRegion(handle, descriptor, length, owner)
+        region = MemoryRegion(handle, descriptor, length, owner, self._native.region_registration(handle))
         with self._lock:
             self._regions[handle] = region
         return region
@@ -711,12 +726,18 @@ class TransferEngine:
         self._native.set_recv_callback(None if callback is None else guarded(callback))
 
     # -- GPU signalling ---------------------------------------------------------------------
-    def alloc_uvm_watcher(self, callback: Callable[[int, int], None], device: int = 0) -> UvmWatcher:
+    def alloc_uvm_watcher(
+        self, callback: Callable[[int, int], None], device: int = 0, *, inline: bool = False
+    ) -> UvmWatcher:
         """A 64-bit word in mapped pinned host memory that kernels (also inside CUDA graphs) write
         at ``watcher.ptr``; a polling thread per device calls ``callback(old, new)`` on the
         engine's callback thread after each change it sees (fast successive writes coalesce:
-        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching."""
-        return self._native.alloc_uvm_watcher(guarded(callback), device)
+        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching.
+
+        ``inline=True`` runs the callback on the polling thread itself: no hand-off to the
+        callback thread (lower latency), but the device's other watchers wait while it runs,
+        so keep it short."""
+        return self._native.alloc_uvm_watcher(guarded(callback), device, inline)
 
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
         """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an

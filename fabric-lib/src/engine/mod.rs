@@ -41,6 +41,8 @@ pub(crate) struct RegionInfo {
     pub kind: MemoryKind,
     /// Registered with the NIC (host memory always; GPU memory on FI_HMEM providers).
     pub network: bool,
+    /// How GPU memory was registered with the NIC (None: host memory, or same-host only).
+    pub nic: Option<crate::provider::libfabric::NicRegistration>,
 }
 
 /// Moves memory to and from peers; see the crate docs.

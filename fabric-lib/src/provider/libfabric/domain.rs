@@ -8,9 +8,11 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::context::OpContext;
+use super::dmabuf::NicRegistration;
 use super::error::libfabric_error;
 use super::info::{resolve, DomainSpec, FabricInfo};
-use super::mr::{Access, LocalMr};
+use super::mr::{Access, LocalMr, MrMemory};
+use crate::config::GpuRegistration;
 use crate::error::{FabricError, Result};
 
 /// Completion entries read per `fi_cq_read` call.
@@ -185,28 +187,77 @@ impl LibfabricDomain {
     /// another region), and a descriptor kept across a restart or sent to the wrong engine
     /// matches nothing.
     pub fn register(&mut self, ptr: *mut u8, len: usize, access: Access) -> Result<LocalMr> {
-        self.register_on(ptr, len, access, None)
+        self.register_on(ptr, len, access, MrMemory::Host)
     }
 
     /// Registers CUDA memory of `device` (FI_HMEM domains only): the provider moves it without
-    /// staging through host memory.
-    pub fn register_cuda(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+    /// staging through host memory. `mode` picks DMA-BUF or the CUDA interface (see
+    /// [`GpuRegistration`]); returns which one registered it.
+    pub fn register_cuda(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        device: u32,
+        mode: GpuRegistration,
+    ) -> Result<(LocalMr, NicRegistration)> {
         if !self.has_hmem() {
             return Err(FabricError::ProviderUnavailable(format!(
                 "provider '{}' was opened without FI_HMEM: it cannot register GPU memory",
                 self.provider_name()
             )));
         }
-        self.register_on(ptr, len, Access::RemoteWrite, Some(device))
+        let attempts = super::dmabuf::attempts(mode, self.info.api_version(), &self.provider_name())?;
+        let mut failures = Vec::new();
+        for how in attempts {
+            let registered = match how {
+                NicRegistration::CudaIface => self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Cuda(device)),
+                NicRegistration::Dmabuf => self.register_dmabuf(ptr, len, device),
+            };
+            match registered {
+                Ok(mr) => {
+                    tracing::debug!(
+                        provider = %self.provider_name(),
+                        domain = %self.domain_name(),
+                        "GPU memory {ptr:p}+{len} of cuda:{device} registered through {how}"
+                    );
+                    return Ok((mr, how));
+                }
+                Err(e) => {
+                    tracing::info!("registering GPU memory {ptr:p}+{len} through {how} failed: {e}");
+                    failures.push(format!("{how}: {e}"));
+                }
+            }
+        }
+        Err(FabricError::ProviderUnavailable(format!(
+            "provider '{}' refused GPU memory {ptr:p}+{len} of cuda:{device} ({})",
+            self.provider_name(),
+            failures.join("; ")
+        )))
     }
 
-    fn register_on(&mut self, ptr: *mut u8, len: usize, access: Access, cuda: Option<u32>) -> Result<LocalMr> {
+    /// DMA-BUF registration: exports the range with the CUDA driver, then `FI_MR_DMABUF`.
+    fn register_dmabuf(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+        let ctx = cuda_lib::Context::new(device as usize)?;
+        let range = cuda_lib::export_dmabuf_range(&ctx, ptr as u64, len)
+            .map_err(|e| FabricError::Cuda(format!("exporting GPU memory {ptr:p}+{len} as DMA-BUF: {e}")))?;
+        let mut mr = self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Dmabuf(Some(device), &range))?;
+        mr.dmabuf = Some(range);
+        Ok(mr)
+    }
+
+    pub(super) fn register_on(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        memory: MrMemory<'_>,
+    ) -> Result<LocalMr> {
         let mr_mode = self.info.mr_mode();
         let provider_keys = mr_mode & sys::FI_MR_PROV_KEY as u64 != 0;
         let key_bytes = self.info.mr_key_size().clamp(1, 8);
         for _ in 0..4 {
             let key = if provider_keys { 0 } else { random_key(key_bytes)? };
-            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode, cuda) {
+            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode, memory) {
                 // That random key is taken: draw another.
                 Err(FabricError::Libfabric { code, .. }) if code == sys::FI_ENOKEY as i32 && !provider_keys => {}
                 other => return other,
@@ -400,9 +451,19 @@ impl LibfabricDomain {
             return Ok(0);
         }
         if ret == -(sys::FI_EAVAIL as isize) {
-            let mut err = sys::fi_cq_err_entry::default();
-            // SAFETY: an error entry is available; err is a valid out-struct.
-            let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut err, 0) };
+            // Domains opened with API >= 1.20 get the newer, longer entry (src_addr added): room
+            // for it behind the 1.17 layout the bindings know.
+            #[repr(C)]
+            #[derive(Default)]
+            struct ErrEntry {
+                entry: sys::fi_cq_err_entry,
+                newer_fields: [u64; 8],
+            }
+            let mut padded = ErrEntry::default();
+            // SAFETY: an error entry is available; `padded` is a valid out-struct with room for
+            // every layout up to libfabric 2.x's.
+            let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut padded.entry, 0) };
+            let err = padded.entry;
             if r < 0 {
                 return Err(libfabric_error("fi_cq_readerr", r as i64));
             }
