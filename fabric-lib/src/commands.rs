@@ -78,10 +78,12 @@ pub(crate) enum Command {
     SameHost(SameHostTransfer),
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
-    /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
+    /// Lifts the fence on a peer (its endpoints, one per domain) after the epoch handshake
+    /// (`epoch`); replies what the peer counted in the epoch that ended.
     Readmit {
-        peer: Vec<u8>,
-        reply: Sender<Result<bool>>,
+        peer: Vec<Vec<u8>>,
+        max_message_size: u64,
+        reply: Sender<Result<crate::epoch::Readmission>>,
     },
     Stop,
 }

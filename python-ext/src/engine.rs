@@ -296,10 +296,23 @@ impl PyTransferEngine {
         py.detach(|| self.engine.wait_imm_count(imm, count, timeout)).py(py)
     }
 
-    /// Lifts the fence a timed-out request put on `peer`; returns whether it was fenced.
-    fn readmit_peer(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>) -> PyResult<bool> {
+    /// Lifts the fence a timed-out request put on `peer` (a handshake where the provider
+    /// carries epochs); returns (whether it was fenced, what the peer counted from this engine
+    /// in the epoch that ended, per immediate, or None where unknown).
+    fn readmit_peer(
+        &self,
+        py: Python<'_>,
+        peer: PyRef<'_, PyEngineAddress>,
+    ) -> PyResult<(bool, Option<std::collections::HashMap<u32, u64>>)> {
         let peer = peer.0.clone();
-        py.detach(|| self.engine.readmit_peer(&peer)).py(py)
+        let r = py.detach(|| self.engine.readmit_peer(&peer)).py(py)?;
+        Ok((r.fenced, r.counted))
+    }
+
+    /// Immediates refused for belonging to a writer's epoch that ended (late deliveries).
+    #[getter]
+    fn stale_immediates(&self) -> u64 {
+        self.engine.stale_immediates()
     }
 
     /// Consumes `count` arrivals of `imm` if all are there (atomic check-and-take).

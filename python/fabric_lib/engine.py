@@ -13,6 +13,7 @@ import ctypes
 import threading
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, overload
 
 from . import _fork, _rust
@@ -35,9 +36,31 @@ __all__ = [
     "MemoryRegion",
     "MrDescriptor",
     "Peer",
+    "Readmission",
     "TransferEngine",
     "UvmWatcher",
 ]
+
+
+@dataclass(frozen=True)
+class Readmission:
+    """What ``TransferEngine.readmit_peer`` found and did. True when the peer was fenced.
+
+    ``counted`` maps each immediate value to how many requests of the epoch that ended (since
+    the engine started or the last re-admission of that peer) the peer counted, including
+    requests that timed out or were still in flight. The peer drops later deliveries of that
+    epoch (its ``stale_immediates`` counts them), so a request whose immediate is not in
+    ``counted`` never will be: resend exactly those and each immediate is counted once. Give
+    requests distinct immediates to tell them apart. ``None`` when the peer was not fenced, or
+    where the provider's CQ data cannot carry epochs (4 bytes: efa, verbs), so what landed is
+    unknown.
+    """
+
+    fenced: bool
+    counted: dict[int, int] | None
+
+    def __bool__(self) -> bool:
+        return self.fenced
 
 
 class MemoryRegion:
@@ -206,7 +229,9 @@ class TransferEngine:
     Timeouts: a request not completed within ``transfer_timeout`` fails with
     ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
     ``PeerFencedError`` until ``readmit_peer(address)``. Whether a timed-out request landed (and
-    its immediate was counted) is unknown, so resending it blindly could count an immediate twice.
+    its immediate was counted) is unknown at that point, so resending it blindly could count an
+    immediate twice; ``readmit_peer`` returns what the peer counted (``Readmission``) and the
+    peer drops what arrives later, so resending the requests missing there is safe.
 
     Out-of-range values raise ``InvalidArgumentError`` before anything is allocated. An engine
     that is garbage-collected without ``stop()`` stops itself first.
@@ -668,9 +693,15 @@ class TransferEngine:
         self._native.submit_send(_as_address(peer), bytes(data), callback)
         return future
 
-    def readmit_peer(self, peer: EngineAddress | bytes) -> bool:
-        """Lifts the fence a timed-out request put on ``peer``; returns whether it was fenced."""
-        return self._native.readmit_peer(_as_address(peer))
+    def readmit_peer(self, peer: EngineAddress | bytes) -> Readmission:
+        """Lifts the fence a timed-out request put on ``peer`` (nothing to do if there is none).
+
+        On tcp, udp;ofi_rxd, shm and sockets this is a handshake bounded by ``transfer_timeout``:
+        the peer stops counting this engine's immediates of the epoch that ended and reports what
+        it counted under it (``Readmission.counted``). If the peer does not answer, this raises
+        ``FabricTimeoutError`` and the peer stays fenced; call it again."""
+        fenced, counted = self._native.readmit_peer(_as_address(peer))
+        return Readmission(fenced, counted)
 
     @property
     def gpu_network(self) -> bool:
@@ -682,6 +713,12 @@ class TransferEngine:
         """Messages refused for exceeding this engine's ``max_message_size`` (sent by peers that
         ignored the limit their address carries)."""
         return self._native.refused_messages
+
+    @property
+    def stale_immediates(self) -> int:
+        """Immediates refused because a writer's epoch had ended: the writer timed out on its
+        requests to this engine and re-admitted it before they were delivered. Never counted."""
+        return self._native.stale_immediates
 
     def set_recv_callback(self, callback: Callable[[bytes], None] | None) -> None:
         """Installs the callback receiving every message; messages that arrived earlier are

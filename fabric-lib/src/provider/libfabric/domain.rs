@@ -54,9 +54,10 @@ impl Drop for DomainFids {
 pub enum Completion {
     /// A local operation (write, send, or a receive) finished.
     Done { context: *mut OpContext, len: usize },
-    /// A remote write with an immediate landed here. `context` is a consumed receive when the
-    /// provider needs FI_RX_CQ_DATA, else null.
-    RemoteImm { imm: u32, context: *mut OpContext },
+    /// Remote CQ data arrived: a write with an immediate landed here (`context` is a consumed
+    /// receive when the provider needs FI_RX_CQ_DATA, else undefined), or a message sent with
+    /// CQ data filled the receive `context` with `len` bytes.
+    RemoteImm { data: u64, context: *mut OpContext, len: usize },
     /// An operation failed.
     Failed { context: *mut OpContext, message: String },
 }
@@ -168,6 +169,11 @@ impl LibfabricDomain {
     /// Whether receives are consumed by remote writes carrying CQ data (FI_RX_CQ_DATA mode).
     pub fn imm_consumes_recv(&self) -> bool {
         self.info.mode() & sys::FI_RX_CQ_DATA != 0
+    }
+
+    /// Whether remote CQ data has 8 bytes: room for an epoch tag above the immediate.
+    pub fn wide_cq_data(&self) -> bool {
+        self.info.cq_data_size() >= 8
     }
 
     /// Largest single message the endpoint accepts.
@@ -300,7 +306,8 @@ impl LibfabricDomain {
         }
     }
 
-    /// Posts one RMA write (with an immediate when `imm` is set). With `delivery_complete`, its
+    /// Posts one RMA write (with remote CQ data when `imm` is set: the immediate, and the
+    /// epoch tag where the provider has 8 bytes of it). With `delivery_complete`, its
     /// completion means the bytes are visible in the target's memory (FI_DELIVERY_COMPLETE).
     ///
     /// # Safety
@@ -315,7 +322,7 @@ impl LibfabricDomain {
         dest: sys::fi_addr_t,
         remote_addr: u64,
         key: u64,
-        imm: Option<u32>,
+        imm: Option<u64>,
         delivery_complete: bool,
         context: *mut OpContext,
     ) -> Result<Posted> {
@@ -334,7 +341,7 @@ impl LibfabricDomain {
                 rma_iov: &rma,
                 rma_iov_count: 1,
                 context: ctx,
-                data: imm.unwrap_or(0) as u64,
+                data: imm.unwrap_or(0),
             };
             let mut flags = (sys::FI_DELIVERY_COMPLETE | sys::FI_COMPLETION) as u64;
             if imm.is_some() {
@@ -347,7 +354,7 @@ impl LibfabricDomain {
         // SAFETY: forwarded from the caller's contract; ep is enabled.
         let ret = unsafe {
             match imm {
-                Some(data) => sys::shim_fi_writedata(ep, buf, len, desc, data as u64, dest, remote_addr, key, ctx),
+                Some(data) => sys::shim_fi_writedata(ep, buf, len, desc, data, dest, remote_addr, key, ctx),
                 None => sys::shim_fi_write(ep, buf, len, desc, dest, remote_addr, key, ctx),
             }
         };
@@ -360,7 +367,8 @@ impl LibfabricDomain {
     /// As for [`LibfabricDomain::post_write`].
     /// With `delivery_complete`, the completion means the receiver took the message
     /// (FI_DELIVERY_COMPLETE): a send into a connection the receiver reset fails instead of
-    /// "succeeding" into the void.
+    /// "succeeding" into the void. `data` is sent as remote CQ data (control messages).
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn post_send(
         &mut self,
         local: *const u8,
@@ -368,9 +376,10 @@ impl LibfabricDomain {
         desc: *mut c_void,
         dest: sys::fi_addr_t,
         delivery_complete: bool,
+        data: Option<u64>,
         context: *mut OpContext,
     ) -> Result<Posted> {
-        if delivery_complete {
+        if delivery_complete || data.is_some() {
             let iov = sys::iovec { iov_base: local as *mut c_void, iov_len: len };
             let mut desc = desc;
             let msg = sys::fi_msg {
@@ -379,9 +388,15 @@ impl LibfabricDomain {
                 iov_count: 1,
                 addr: dest,
                 context: context as *mut c_void,
-                data: 0,
+                data: data.unwrap_or(0),
             };
-            let flags = (sys::FI_DELIVERY_COMPLETE | sys::FI_COMPLETION) as u64;
+            let mut flags = sys::FI_COMPLETION as u64;
+            if delivery_complete {
+                flags |= sys::FI_DELIVERY_COMPLETE as u64;
+            }
+            if data.is_some() {
+                flags |= sys::FI_REMOTE_CQ_DATA as u64;
+            }
             // SAFETY: msg and the iov it points to live across the call (the provider copies
             // them); buffer and context per the caller's contract.
             return Self::posted("fi_sendmsg", unsafe { sys::shim_fi_sendmsg(self.fids.ep, &msg, flags) });
@@ -424,9 +439,8 @@ impl LibfabricDomain {
         if ret > 0 {
             for e in &self.entries[..ret as usize] {
                 let context = e.op_context as *mut OpContext;
-                // We never send messages with CQ data, so remote CQ data always means a WRITEIMM.
                 if e.flags & sys::FI_REMOTE_CQ_DATA as u64 != 0 {
-                    out.push(Completion::RemoteImm { imm: e.data as u32, context });
+                    out.push(Completion::RemoteImm { data: e.data, context, len: e.len });
                 } else {
                     out.push(Completion::Done { context, len: e.len });
                 }
