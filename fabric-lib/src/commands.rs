@@ -45,6 +45,33 @@ pub(crate) struct SameHostTransfer {
     pub on_done: Notify,
 }
 
+/// Where a staged request's chunks go (see `staging`).
+pub(crate) enum StagedDest {
+    /// Host memory the NIC reaches: chunks are written to their final place, and the immediate
+    /// follows the last one as a zero-byte write (as for any network write).
+    Region,
+    /// Memory the NIC cannot reach: chunks go into the owner's landing area (the target's
+    /// keys are the landing area's), whose worker copies them into place and counts the
+    /// immediate itself.
+    Landing { chunk_bytes: u64, dst_base: u64, peer_max_message: u64 },
+}
+
+/// A validated write whose source or destination is staged through host memory.
+pub(crate) struct StagedTransfer {
+    pub region: u64,
+    /// The source needs a bounce copy (GPU memory the NIC cannot reach).
+    pub bounce: bool,
+    pub target: Target,
+    pub dest: StagedDest,
+    /// (source offset, destination offset, length) pieces: one for a single write, one per page.
+    pub pieces: Vec<(u64, u64, u64)>,
+    pub imm: Option<u32>,
+    pub on_done: Notify,
+}
+
+/// What a landing area looks like to peers: per domain (key, remote base), slots, chunk size.
+pub(crate) type LandingKeys = (Vec<(u64, u64)>, u32, u64);
+
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
     pub peer: Vec<u8>,
@@ -76,6 +103,13 @@ pub(crate) enum Command {
     },
     Transfer(Transfer),
     SameHost(SameHostTransfer),
+    Staged(StagedTransfer),
+    /// Opens (once) the landing area for staged writes into this engine, pinned through
+    /// `device`'s context (None: plain host memory), and replies its keys.
+    Landing {
+        device: Option<u32>,
+        reply: Sender<Result<LandingKeys>>,
+    },
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
     /// Lifts the fence on a peer (its endpoints, one per domain) after the epoch handshake
@@ -96,6 +130,7 @@ impl Command {
         match self {
             Command::Transfer(Transfer { on_done, .. })
             | Command::SameHost(SameHostTransfer { on_done, .. })
+            | Command::Staged(StagedTransfer { on_done, .. })
             | Command::Send(SendCommand { on_done, .. }) => return Some(on_done),
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
@@ -104,6 +139,9 @@ impl Command {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
             Command::Readmit { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::Landing { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
             Command::SetRecvCallback(_) | Command::Stop => {}

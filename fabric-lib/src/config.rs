@@ -152,6 +152,14 @@ pub struct EngineConfig {
     /// How GPU memory is registered with the NIC on FI_HMEM providers (a forced mode is for
     /// tests and for NICs known to need one).
     pub gpu_registration: GpuRegistration,
+    /// Staged transfers of GPU memory where the provider has no FI_HMEM (see `staging`): sizes
+    /// of the pinned bounce buffers and landing area. `None` turns staging off (GPU memory then
+    /// serves same-host peers only, as with staging unsupported).
+    pub staging: Option<crate::staging::StagingConfig>,
+    /// Testing aid: host memory takes the staged path too (bounce copies and landing copies by
+    /// memcpy), so the staging protocol runs end to end on machines without a GPU. Never needed
+    /// in production: host memory is always reachable over the network directly.
+    pub stage_host_memory: bool,
 }
 
 impl EngineConfig {
@@ -194,6 +202,12 @@ impl EngineConfig {
                 self.gpu_registration.name()
             ));
         }
+        if let Some(staging) = &self.staging {
+            staging.validate()?;
+        }
+        if self.stage_host_memory && self.staging.is_none() {
+            return bad("stage_host_memory needs staging on".into());
+        }
         // Affinity masks hold CPU_SETSIZE (1024) CPUs; a larger index cannot be pinned.
         for (name, cpu) in [("worker_cpu", self.worker_cpu), ("uvm_watcher_cpu", self.uvm_watcher_cpu)] {
             if let Some(cpu) = cpu.filter(|&c| c >= 1024) {
@@ -223,6 +237,8 @@ impl Default for EngineConfig {
             gpu_network: None,
             force_network: false,
             gpu_registration: GpuRegistration::Auto,
+            staging: Some(crate::staging::StagingConfig::default()),
+            stage_host_memory: false,
         }
     }
 }

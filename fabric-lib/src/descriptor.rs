@@ -42,6 +42,18 @@ pub struct CudaIpc {
 /// Length of a legacy CUDA IPC handle.
 pub const CUDA_IPC_HANDLE_LEN: usize = 64;
 
+/// The owner engine's landing area for staged transfers (see `staging`): registered host
+/// memory of `slots` slots of `chunk_bytes`, into which writers put chunks of a staged request
+/// for the owner to copy into this region. Present on GPU regions the NIC cannot reach when the
+/// owner has staging on: a writer without this must not take the network path.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Landing {
+    /// One key per domain of the owner, for the whole landing area.
+    pub keys: Vec<DomainKey>,
+    pub slots: u32,
+    pub chunk_bytes: u64,
+}
+
 /// A registered region as seen by peers: its extent plus one key per domain of the owner.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MrDescriptor {
@@ -58,6 +70,9 @@ pub struct MrDescriptor {
     pub keys: Vec<DomainKey>,
     /// For GPU regions: how same-host peers open the memory.
     pub cuda: Option<CudaIpc>,
+    /// Where peers on other hosts put staged chunks for this region (GPU memory the NIC cannot
+    /// reach, on an owner with staging on).
+    pub landing: Option<Landing>,
 }
 
 impl MrDescriptor {
@@ -89,6 +104,20 @@ impl MrDescriptor {
                 self.owner.domains.len()
             )));
         }
+        if let Some(landing) = &self.landing {
+            if landing.keys.len() != self.owner.domains.len() {
+                return Err(FabricError::InvalidDescriptor(format!(
+                    "landing area has {} keys for {} domains",
+                    landing.keys.len(),
+                    self.owner.domains.len()
+                )));
+            }
+            let config = crate::staging::StagingConfig {
+                chunk_bytes: landing.chunk_bytes as usize,
+                slots: landing.slots as usize,
+            };
+            config.validate().map_err(|e| FabricError::InvalidDescriptor(format!("landing area: {e}")))?;
+        }
         match (&self.kind, &self.cuda) {
             (MemoryKind::Host, Some(_)) => {
                 return Err(FabricError::InvalidDescriptor("host memory descriptor carries CUDA IPC data".into()))
@@ -118,6 +147,11 @@ impl MrDescriptor {
     /// Whether peers on other hosts can write this region over the network.
     pub fn network_reachable(&self) -> bool {
         !self.keys.is_empty()
+    }
+
+    /// Whether peers on other hosts reach this region through the owner's landing area.
+    pub fn staged_reachable(&self) -> bool {
+        self.landing.is_some()
     }
 
     /// Checks that `[offset, offset + len)` lies inside the region.
@@ -165,6 +199,7 @@ mod tests {
                 .collect(),
             owner,
             cuda: None,
+            landing: None,
         }
     }
 
@@ -201,6 +236,23 @@ mod tests {
         let mut bad = sample();
         bad.keys.clear();
         assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err(), "host regions need keys");
+    }
+
+    #[test]
+    fn landing_areas_round_trip_and_are_checked() {
+        let mut d = gpu_sample();
+        d.landing = Some(Landing { keys: sample().keys, slots: 8, chunk_bytes: 1 << 20 });
+        assert_eq!(MrDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
+        assert!(d.staged_reachable() && !d.network_reachable());
+        let mut bad = d.clone();
+        bad.landing.as_mut().unwrap().keys.pop();
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err(), "a key per domain");
+        let mut bad = d.clone();
+        bad.landing.as_mut().unwrap().chunk_bytes = 1000;
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err(), "chunk size not a multiple of 4 KiB");
+        let mut bad = d;
+        bad.landing.as_mut().unwrap().slots = 0;
+        assert!(MrDescriptor::from_bytes(&bad.to_bytes()).is_err(), "no slots");
     }
 
     #[test]

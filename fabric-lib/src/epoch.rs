@@ -69,6 +69,16 @@ pub(crate) enum Control {
     /// Receiver → writer: part `part` of `parts` of what was counted under the retired epoch;
     /// `next` is the writer's tag from now on.
     Counted { nonce: u64, next: u32, part: u32, parts: u32, counts: EpochCounts },
+    /// Staging (see `staging`), writer → receiver: grant slots of your landing area to my
+    /// request `request` of `chunks` chunks into your region at `dst_base`; count its immediate
+    /// under my epoch `tag`; credits go to `reply_to` (my first domain's endpoint). `writer`
+    /// names the writing engine (request ids are per engine).
+    StageAsk { writer: u64, request: u64, reply_to: Vec<u8>, tag: u32, chunks: u32, dst_base: u64 },
+    /// Staging, writer → receiver: a chunk of `writer`'s request is in its landing slot.
+    StageChunk { writer: u64, header: crate::staging::ChunkHeader },
+    /// Staging, receiver → writer: slots of `request` whose chunks reached the destination
+    /// (`drained`), slots the request may fill next (`granted`), or why it cannot complete.
+    StageCredit { request: u64, drained: Vec<u32>, granted: Vec<u32>, error: Option<String> },
 }
 
 impl Control {

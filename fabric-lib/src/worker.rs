@@ -31,6 +31,7 @@ use crate::sharding::DeferredImm;
 const UNDELIVERED_LIMIT: usize = 4096;
 
 mod epochs;
+mod staged;
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -60,6 +61,7 @@ pub(crate) struct DomainCounters {
 struct Region {
     mrs: Vec<LocalMr>,
     ptr: usize,
+    len: usize,
     kind: MemoryKind,
     /// Posted operations that read from this region and have not completed.
     in_flight: usize,
@@ -231,6 +233,8 @@ struct Worker {
     readmits: HashMap<u64, PendingReadmit>,
     /// What this engine counted per writer epoch, and the epochs it retired.
     received: ReceivedEpochs,
+    /// Staged transfers (GPU memory over providers without FI_HMEM).
+    staged: staged::Staged,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -296,6 +300,7 @@ impl Worker {
             tags_by_dest: (0..domains.len()).map(|_| HashMap::new()).collect(),
             readmits: HashMap::new(),
             received: ReceivedEpochs::default(),
+            staged: staged::Staged::new(config)?,
             domains,
         })
     }
@@ -329,7 +334,8 @@ impl Worker {
             }
             let busy = !self.outstanding.is_empty()
                 || self.pending.iter().any(|p| p.values().any(|q| !q.is_empty()))
-                || self.same_host.as_ref().is_some_and(|l| l.busy());
+                || self.same_host.as_ref().is_some_and(|l| l.busy())
+                || self.staged.busy();
             match self.poll_mode {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
@@ -375,7 +381,7 @@ impl Worker {
                 };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
-                    self.regions.insert(region, Region { mrs, ptr, kind, in_flight: 0 });
+                    self.regions.insert(region, Region { mrs, ptr, len, kind, in_flight: 0 });
                     (keys, nic)
                 });
                 let _ = reply.send(result);
@@ -396,6 +402,10 @@ impl Worker {
             }
             Command::Transfer(t) => self.start_transfer(t),
             Command::SameHost(t) => self.start_same_host(t),
+            Command::Staged(t) => self.start_staged(t),
+            Command::Landing { device, reply } => {
+                let _ = reply.send(self.open_landing(device));
+            }
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
@@ -801,6 +811,7 @@ impl Worker {
             }
             self.same_host_done = done;
         }
+        active |= self.progress_staged();
         if !self.imm_batch.is_empty() {
             self.count_imm_batch();
         }
@@ -1026,6 +1037,7 @@ impl Worker {
         self.flush_done();
         let outstanding: Vec<usize> = self.outstanding.drain().collect();
         drop(self.same_host.take()); // waits for same-host copies still running
+        self.staged.settle(); // staging copies too
         drop(self); // closes every registration, then the endpoints and domains
         for context in outstanding {
             // SAFETY: the endpoints are closed, so the provider no longer references these

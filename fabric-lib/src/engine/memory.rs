@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use super::{MrHandle, RegionInfo, TransferEngine};
 use crate::commands::Command;
 use crate::config::GpuRegistration;
-use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
+use crate::descriptor::{CudaIpc, DomainKey, Landing, MemoryKind, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::provider::libfabric::NicRegistration;
 
@@ -55,6 +55,7 @@ impl TransferEngine {
             owner: self.address.clone(),
             keys: self.domain_keys(&registered),
             cuda: None,
+            landing: if self.config.stage_host_memory { self.landing(None) } else { None },
         };
         Ok((MrHandle(region), descriptor))
     }
@@ -119,6 +120,7 @@ impl TransferEngine {
         if let Some(how) = nic {
             tracing::info!("GPU memory at {ptr:#x}+{len} of cuda:{device} registered with the NIC through {how}");
         }
+        let landing = if keys.is_empty() && self.config.staging.is_some() { self.landing(Some(device)) } else { None };
         self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind, network: !keys.is_empty(), nic });
         let descriptor = MrDescriptor {
             base: ptr,
@@ -131,8 +133,22 @@ impl TransferEngine {
                 offset: export.offset,
                 alloc_len: export.alloc_len as u64,
             }),
+            landing,
         };
         Ok((MrHandle(region), descriptor))
+    }
+
+    /// This engine's landing area for staged writes (opened on first use), for descriptors of
+    /// regions the NIC cannot reach; None (logged) where it cannot be opened: such regions then
+    /// serve same-host peers only.
+    fn landing(&self, device: Option<u32>) -> Option<Landing> {
+        match self.request(|reply| Command::Landing { device, reply }) {
+            Ok((keys, slots, chunk_bytes)) => Some(Landing { keys: self.domain_keys(&keys), slots, chunk_bytes }),
+            Err(e) => {
+                tracing::warn!("no landing area for staged transfers ({e}); GPU regions serve same-host peers only");
+                None
+            }
+        }
     }
 
     /// A descriptor's per-domain keys from what the worker registered.

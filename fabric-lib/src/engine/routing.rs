@@ -2,7 +2,7 @@
 //! descriptors into worker targets, picks the network or the same-host path, and fences.
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Command, Target};
+use crate::commands::{Command, StagedDest, Target};
 use crate::descriptor::{MemoryKind, MrDescriptor};
 use crate::engine::MrHandle;
 use crate::epoch::Readmission;
@@ -15,6 +15,17 @@ pub(super) enum Route {
     Network(Target),
     /// Same host, GPU memory on either side: CUDA IPC + copy engines / copy kernel.
     SameHost(SameHostDst),
+    /// Over the libfabric domains through host memory, for GPU memory the NIC cannot reach.
+    Staged(StagedRoute),
+}
+
+/// How a staged request travels (see `staging`).
+pub(super) struct StagedRoute {
+    /// The source is copied into a bounce buffer first.
+    pub bounce: bool,
+    /// The destination region's keys, or its owner's landing area's.
+    pub target: Target,
+    pub dest: StagedDest,
 }
 
 impl TransferEngine {
@@ -61,6 +72,9 @@ impl TransferEngine {
         let src = self.region_info(src)?;
         let gpu = src.kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
         if !gpu || !dst.owner.is_same_host() || self.config.force_network {
+            if let Some(staged) = self.staged_route(src, dst)? {
+                return Ok(Route::Staged(staged));
+            }
             if !src.network {
                 return Err(self.gpu_network_error("source", src.kind));
             }
@@ -81,14 +95,56 @@ impl TransferEngine {
         }))
     }
 
+    /// The staged route for a network transfer, if either side needs one: a source the NIC
+    /// cannot reach is bounced through host memory, a destination the NIC cannot reach is
+    /// reached through its owner's landing area. None: the plain network path.
+    fn staged_route(&self, src: super::RegionInfo, dst: &MrDescriptor) -> Result<Option<StagedRoute>> {
+        if self.config.staging.is_none() {
+            return Ok(None);
+        }
+        let testing = self.config.stage_host_memory;
+        let bounce = match src.kind {
+            MemoryKind::Cuda(_) => !src.network,
+            MemoryKind::Host => testing,
+        };
+        let landing = match (&dst.landing, dst.kind) {
+            (Some(l), MemoryKind::Host) => Some(l),
+            (Some(l), MemoryKind::Cuda(_)) if !dst.network_reachable() => Some(l),
+            _ => None,
+        };
+        if !bounce && landing.is_none() {
+            return Ok(None);
+        }
+        if landing.is_none() && !dst.network_reachable() {
+            return Err(self.gpu_network_error("destination", dst.kind));
+        }
+        self.check_peer(&dst.owner)?;
+        Ok(Some(match landing {
+            Some(l) => StagedRoute {
+                bounce,
+                target: Target {
+                    addresses: l.keys.iter().map(|k| k.address.endpoint.clone()).collect(),
+                    keys: l.keys.iter().map(|k| (k.key, k.remote_base)).collect(),
+                },
+                dest: StagedDest::Landing {
+                    chunk_bytes: l.chunk_bytes,
+                    dst_base: dst.base,
+                    peer_max_message: dst.owner.max_message_size,
+                },
+            },
+            None => StagedRoute { bounce, target: self.region_target(dst)?, dest: StagedDest::Region },
+        }))
+    }
+
     /// The error for a network transfer that involves GPU memory the NIC cannot reach.
     pub(crate) fn gpu_network_error(&self, side: &str, kind: MemoryKind) -> FabricError {
         FabricError::ProviderUnavailable(format!(
             "the {side} is GPU memory ({kind:?}) not registered with the NIC, and the transfer takes the \
              network (a peer on another host, or force_network): provider '{}' has no FI_HMEM here (or \
-             gpu_network is off), so GPU regions serve same-host (CUDA IPC) peers only and are never copied \
-             through host memory behind your back. Remedy: stage through a registered host buffer, or use a \
-             provider with FI_HMEM: efa, or shm / verbs;ofi_rxm of a CUDA-enabled libfabric (docs/gpu.md)",
+             gpu_network is off), and staged transfers through host memory are off on this engine or on the \
+             region's owner (EngineConfig::staging, staging=False in Python), so the region serves same-host \
+             (CUDA IPC) peers only. Remedy: turn staging on at both ends, or use a provider with FI_HMEM: \
+             efa, or shm / verbs;ofi_rxm of a CUDA-enabled libfabric (docs/gpu.md)",
             self.address.provider
         ))
     }

@@ -5,9 +5,9 @@
 //! however the engine cut it across domains (see [`crate::sharding`]).
 use std::sync::Arc;
 
-use super::routing::Route;
+use super::routing::{Route, StagedRoute};
 use super::{MrHandle, TransferEngine};
-use crate::commands::{Command, SameHostTransfer, Transfer};
+use crate::commands::{Command, SameHostTransfer, StagedTransfer, Transfer, SCRATCH_REGION};
 use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
@@ -44,6 +44,10 @@ impl TransferEngine {
                 let copy =
                     SameHostCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
                 return self.submit_same_host(req.src, req.dst, local, copy, req.imm, on_done);
+            }
+            Route::Staged(staged) => {
+                let pieces = vec![(req.src_offset, req.dst_offset, req.len)];
+                return self.submit_staged(req.src, req.dst, staged, pieces, req.imm, on_done);
             }
         };
         let pieces = match req.domains {
@@ -114,6 +118,18 @@ impl TransferEngine {
                 });
                 return self.submit_same_host(req.src, req.dst, local, copy, req.imm, Notify::Callback(on_done));
             }
+            Route::Staged(staged) => {
+                let pieces = req
+                    .src_pages
+                    .iter()
+                    .zip(req.dst_pages)
+                    .map(|(&s, &d)| {
+                        let src = u64::from(s) * req.src_stride + req.src_offset;
+                        (src, u64::from(d) * req.dst_stride + req.dst_offset, req.page_len)
+                    })
+                    .collect();
+                return self.submit_staged(req.src, req.dst, staged, pieces, req.imm, Notify::Callback(on_done));
+            }
         };
         let n = self.num_domains();
         let start = self.rotate(req.src_pages.len());
@@ -155,5 +171,32 @@ impl TransferEngine {
             None => None,
         };
         self.command(Command::SameHost(SameHostTransfer { region: src.0, dst: local, copy, imm, on_done }))
+    }
+
+    /// A staged write (see `staging`): `pieces` are (source offset, destination offset, length).
+    fn submit_staged(
+        &self,
+        src: MrHandle,
+        dst: &MrDescriptor,
+        route: StagedRoute,
+        pieces: Vec<(u64, u64, u64)>,
+        imm: Option<u32>,
+        on_done: Notify,
+    ) -> Result<()> {
+        if pieces.iter().all(|p| p.2 == 0) {
+            // No bytes to stage: the immediate alone goes to the owner's immediate slot.
+            let targets = vec![self.engine_target(&dst.owner)?];
+            let mut shards = match imm {
+                Some(_) => {
+                    let domain = (self.rotate(1) % self.num_domains()) as u16;
+                    vec![Shard { peer: 0, domain, src_offset: 0, len: 0, dst_offset: 0, imm: None }]
+                }
+                None => Vec::new(),
+            };
+            let deferred = plan_imms(&mut shards, &[imm]);
+            return self.submit_transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done });
+        }
+        let StagedRoute { bounce, target, dest } = route;
+        self.command(Command::Staged(StagedTransfer { region: src.0, bounce, target, dest, pieces, imm, on_done }))
     }
 }

@@ -9,18 +9,21 @@
 //! the copy of one overlaps the wire time of the others.
 //!
 //! Everything here is sans-IO (plans, credits, reassembly, the header's bytes) so that it is
-//! tested on machines without a GPU, with real threads standing in for the two engines. Not done
-//! yet: the worker integration (CUDA copies on the engine's stream, posting the writes and
-//! announcements, `transfer_timeout` on staged requests); until then the engine raises
-//! `ProviderUnavailableError` for GPU memory on such providers, as documented in docs/gpu.md.
+//! tested on machines without a GPU, with real threads standing in for the two engines. The
+//! worker drives it (`worker/staged.rs`): copies on the engine's own CUDA streams, polled, never
+//! waited for; writes and announcements posted like any other; every request bounded by
+//! `transfer_timeout`. [`memory`] holds the pinned buffers and the copier.
 mod credits;
+mod grants;
 mod header;
+pub(crate) mod memory;
 mod plan;
 mod reassembly;
 
 pub use credits::SlotPool;
+pub use grants::{Grants, RequestKey};
 pub use header::{ChunkHeader, HeaderPiece};
-pub use plan::{plan_chunks, Chunk, Piece};
+pub use plan::{plan_chunks, plan_chunks_bounded, Chunk, Piece};
 pub use reassembly::{Progress, Reassembly};
 
 use crate::error::{FabricError, Result};

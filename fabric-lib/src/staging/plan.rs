@@ -27,8 +27,18 @@ pub struct Chunk {
 /// each chunk at most `chunk_bytes`. Zero-length pieces are dropped; a transfer of no bytes has
 /// no chunks (its immediate needs no data).
 pub fn plan_chunks(pieces: impl IntoIterator<Item = (u64, u64, u64)>, chunk_bytes: u64) -> Result<Vec<Chunk>> {
-    if chunk_bytes == 0 {
-        return Err(FabricError::InvalidArgument("chunk size must be positive".into()));
+    plan_chunks_bounded(pieces, chunk_bytes, usize::MAX)
+}
+
+/// [`plan_chunks`] with at most `max_pieces` pieces per chunk (a chunk's announcement lists its
+/// pieces and must fit in one message).
+pub fn plan_chunks_bounded(
+    pieces: impl IntoIterator<Item = (u64, u64, u64)>,
+    chunk_bytes: u64,
+    max_pieces: usize,
+) -> Result<Vec<Chunk>> {
+    if chunk_bytes == 0 || max_pieces == 0 {
+        return Err(FabricError::InvalidArgument("chunk size and pieces per chunk must be positive".into()));
     }
     let mut chunks: Vec<Chunk> = Vec::new();
     let mut current = Chunk { index: 0, bytes: 0, pieces: Vec::new() };
@@ -38,7 +48,7 @@ pub fn plan_chunks(pieces: impl IntoIterator<Item = (u64, u64, u64)>, chunk_byte
             current.pieces.push(Piece { src_offset: src, dst_offset: dst, slot_offset: current.bytes, len: take });
             current.bytes += take;
             (src, dst, len) = (src + take, dst + take, len - take);
-            if current.bytes == chunk_bytes {
+            if current.bytes == chunk_bytes || current.pieces.len() == max_pieces {
                 let index = current.index;
                 chunks.push(std::mem::replace(&mut current, Chunk { index: index + 1, bytes: 0, pieces: Vec::new() }));
             }
@@ -80,6 +90,15 @@ mod tests {
         assert_eq!(chunks[1].pieces[0], Piece { src_offset: 7096, dst_offset: 1096, slot_offset: 0, len: 1904 });
         let total: u64 = chunks.iter().map(|c| c.bytes).sum();
         assert_eq!(total, 9000);
+    }
+
+    #[test]
+    fn pieces_per_chunk_are_bounded() {
+        let pages: Vec<_> = (0..10u64).map(|i| (i * 100, i * 100, 100)).collect();
+        let chunks = plan_chunks_bounded(pages, 4096, 4).unwrap();
+        assert_eq!(chunks.iter().map(|c| c.pieces.len()).collect::<Vec<_>>(), vec![4, 4, 2]);
+        assert_eq!(chunks[1].pieces[0], Piece { src_offset: 400, dst_offset: 400, slot_offset: 0, len: 100 });
+        assert!(plan_chunks_bounded([(0, 0, 1)], 4096, 0).is_err());
     }
 
     #[test]

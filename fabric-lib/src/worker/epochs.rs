@@ -158,6 +158,7 @@ impl Worker {
             Ok(Control::Counted { nonce, next, part, parts, counts }) => {
                 self.on_counted(nonce, next, part, parts, counts)
             }
+            Ok(staging) => self.on_staging_control(staging),
             Err(e) => {
                 self.oversized_messages.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("refused a control message: {e}");
