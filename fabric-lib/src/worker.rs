@@ -49,6 +49,8 @@ pub(crate) struct WorkerInfo {
     pub stale_immediates: Arc<AtomicU64>,
     /// Every domain has FI_HMEM: GPU memory can be registered with the NIC.
     pub hmem: bool,
+    /// Staged traffic (see `staging`).
+    pub staging: Arc<crate::staging::StagingCounters>,
 }
 
 /// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
@@ -155,6 +157,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                         oversized_messages: worker.oversized_messages.clone(),
                         stale_immediates: worker.received.stale.clone(),
                         hmem: worker.domains.iter().all(|d| d.domain.has_hmem()),
+                        staging: worker.staged.counters.clone(),
                     };
                     let _ = ready_tx.send(Ok(info));
                     // A bug must not leave futures pending forever: whatever happens in the

@@ -149,6 +149,13 @@ fn random_requests(writer_stages: bool, receiver_stages: bool, seed: u64) {
         assert_eq!(p.b.imm_count(500 + i), 0, "request {i} counted more than once");
     }
     assert!(p.messages.lock().unwrap().is_empty(), "a staging message reached the receive callback");
+    // The staged path was taken, on the sides that stage.
+    let (sent, landed) = (p.a.staging_stats(), p.b.staging_stats());
+    assert_eq!(sent.requests_sent, u64::from(requests));
+    let total: u64 = expected.iter().filter(|b| b.is_some()).count() as u64;
+    assert_eq!(sent.bounced_bytes, if writer_stages { total } else { 0 });
+    assert_eq!(landed.requests_landed, if receiver_stages { u64::from(requests) } else { 0 });
+    assert_eq!(landed.landed_bytes, if receiver_stages { total } else { 0 });
     drop(p);
     for (i, want) in expected.iter().enumerate() {
         if let Some(b) = want {
@@ -255,6 +262,28 @@ fn a_stopped_receiver_fails_staged_writes_with_a_typed_error_in_time() {
         assert!(Instant::now() < deadline, "the failed staged requests never released their source");
         std::thread::sleep(Duration::from_millis(50));
     }
+    drop(a);
+    drop(b);
+}
+
+#[test]
+fn a_receiver_without_the_region_refuses_with_a_typed_error() {
+    let mut src_buf = filled(8);
+    let mut dst_buf = vec![0u8; REGION];
+    let a = engine(true, Duration::from_secs(20));
+    let b = engine(true, Duration::from_secs(20));
+    // SAFETY: the buffers outlive the engines.
+    let (src, _) = unsafe { a.register_memory(src_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    // SAFETY: as above.
+    let (dst_h, dst) = unsafe { b.register_memory(dst_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    b.unregister_memory(dst_h).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let req =
+        WriteRequest { src, src_offset: 0, len: 100_000, dst: &dst, dst_offset: 0, imm: Some(3), domains: DomainChoice::Shard(1) };
+    a.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    let r = rx.recv_timeout(Duration::from_secs(10)).expect("refused well before the transfer timeout");
+    assert!(matches!(&r, Err(FabricError::TransferFailed(m)) if m.contains("no region registered")), "{r:?}");
+    assert_eq!(b.imm_count(3), 0);
     drop(a);
     drop(b);
 }

@@ -37,6 +37,7 @@ fn poll_mode_name(mode: PollMode) -> &'static str {
 pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyResult<EngineConfig> {
     let mut config = EngineConfig::default();
     let Some(options) = options else { return Ok(config) };
+    let (mut staging, mut chunk_bytes, mut slots) = (true, None, None);
     for (key, value) in options.iter() {
         let name: String = key.extract()?;
         if value.is_none() {
@@ -78,12 +79,28 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
             "queue_depth" => config.queue_depth = value.extract().map_err(wrong)?,
             "shard_min_bytes" => config.shard_min_bytes = value.extract().map_err(wrong)?,
             "paged_copy_blocks" => config.paged_copy_blocks = value.extract().map_err(wrong)?,
+            "staging" => staging = value.extract().map_err(wrong)?,
+            "staging_chunk_bytes" => chunk_bytes = Some(value.extract().map_err(wrong)?),
+            "staging_slots" => slots = Some(value.extract().map_err(wrong)?),
+            "stage_host_memory" => config.stage_host_memory = value.extract().map_err(wrong)?,
             _ => {
                 let known = defaults(py)?.keys().iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", ");
                 return Err(invalid(py, format!("unknown engine option {name:?} (known: {known})")));
             }
         }
     }
+    config.staging = match (staging, config.staging) {
+        (false, _) if chunk_bytes.is_some() || slots.is_some() => {
+            return Err(invalid(py, "staging_chunk_bytes / staging_slots given with staging=False".into()))
+        }
+        (false, _) => None,
+        (true, current) => {
+            let mut sizes = current.unwrap_or_default();
+            sizes.chunk_bytes = chunk_bytes.unwrap_or(sizes.chunk_bytes);
+            sizes.slots = slots.unwrap_or(sizes.slots);
+            Some(sizes)
+        }
+    };
     config.validate().map_err(|e| to_pyerr(py, e))?;
     Ok(config)
 }
@@ -105,6 +122,11 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("gpu_network", c.gpu_network)?;
     d.set_item("force_network", c.force_network)?;
     d.set_item("gpu_registration", c.gpu_registration.name())?;
+    let sizes = c.staging.unwrap_or_default();
+    d.set_item("staging", c.staging.is_some())?;
+    d.set_item("staging_chunk_bytes", sizes.chunk_bytes)?;
+    d.set_item("staging_slots", sizes.slots)?;
+    d.set_item("stage_host_memory", c.stage_host_memory)?;
     d.set_item(
         "write_completion",
         match c.write_completion {

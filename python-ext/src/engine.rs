@@ -326,6 +326,19 @@ impl PyTransferEngine {
         self.engine.gpu_network()
     }
 
+    /// Whether GPU memory the NIC cannot reach travels staged through host memory.
+    #[getter]
+    fn staging(&self) -> bool {
+        self.engine.staging()
+    }
+
+    /// Staged traffic: (requests sent, bytes bounced, requests landed, bytes landed).
+    #[getter]
+    fn staging_stats(&self) -> (u64, u64, u64, u64) {
+        let s = self.engine.staging_stats();
+        (s.requests_sent, s.bounced_bytes, s.requests_landed, s.landed_bytes)
+    }
+
     /// Messages refused for exceeding this engine's max_message_size.
     #[getter]
     fn refused_messages(&self) -> u64 {

@@ -112,6 +112,13 @@ impl PyMrDescriptor {
         self.0.network_reachable()
     }
 
+    /// True for GPU regions that peers on other hosts reach staged, through the owner's
+    /// landing area (providers without FI_HMEM, staging on).
+    #[getter]
+    fn staged_reachable(&self) -> bool {
+        self.0.staged_reachable()
+    }
+
     /// Address of the owning engine.
     #[getter]
     fn owner(&self) -> PyEngineAddress {

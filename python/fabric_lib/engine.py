@@ -37,6 +37,7 @@ __all__ = [
     "MrDescriptor",
     "Peer",
     "Readmission",
+    "StagingStats",
     "TransferEngine",
     "UvmWatcher",
 ]
@@ -61,6 +62,20 @@ class Readmission:
 
     def __bool__(self) -> bool:
         return self.fenced
+
+
+@dataclass(frozen=True)
+class StagingStats:
+    """Staged traffic of an engine (``TransferEngine.staging_stats``)."""
+
+    requests_sent: int
+    """Staged requests this engine started as the writer."""
+    bounced_bytes: int
+    """Bytes copied from source regions into bounce buffers."""
+    requests_landed: int
+    """Staged requests that completed into this engine's regions (immediate counted)."""
+    landed_bytes: int
+    """Bytes copied from the landing area into destination regions."""
 
 
 class MemoryRegion:
@@ -225,6 +240,16 @@ class TransferEngine:
             FI_HMEM: "auto" (DMA-BUF where the running libfabric has it, 1.20 or newer, else or
             when refused by address with the CUDA interface), "dmabuf" or "cuda" (only that
             way; a refusal fails the registration) ["auto"]. ``region.registration`` says which.
+        staging: move GPU memory across hosts through registered host memory where the provider
+            has no FI_HMEM (tcp, udp;ofi_rxd): a GPU source is copied into pinned bounce buffers,
+            a GPU destination receives into this engine's landing area and is copied into place
+            by the worker; the immediate is counted once every byte is in GPU memory [True].
+            False: GPU memory serves same-host peers only (``ProviderUnavailableError``).
+        staging_chunk_bytes / staging_slots: the bounce buffers' and the landing area's size:
+            ``staging_slots`` chunks of ``staging_chunk_bytes`` each (a multiple of 4096)
+            [4 MiB / 8].
+        stage_host_memory: testing aid: host memory takes the staged path too (copies by
+            memcpy), to exercise staging without a GPU [False].
 
     Timeouts: a request not completed within ``transfer_timeout`` fails with
     ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
@@ -239,8 +264,9 @@ class TransferEngine:
     GPU memory (``register_tensor`` of a CUDA tensor) is reached from the same host through CUDA
     IPC: writes where either side is GPU memory and the destination's engine runs on this host
     are copied by CUDA (copy engines for single writes, a 16-block kernel for paged writes); the
-    immediate follows over the provider once the data is visible. The providers here have no
-    FI_HMEM, so GPU memory cannot be written to or from another host: that raises
+    immediate follows over the provider once the data is visible. Across hosts, GPU memory is
+    registered with the NIC where the provider has FI_HMEM (``gpu_network``), and staged through
+    host memory otherwise (``staging``; docs/gpu.md); with both unavailable it raises
     ``ProviderUnavailableError`` saying so. CUDA is loaded on first GPU use only.
     """
 
@@ -267,6 +293,10 @@ class TransferEngine:
         gpu_network: bool | None = None,
         force_network: bool | None = None,
         gpu_registration: Literal["auto", "dmabuf", "cuda"] | None = None,
+        staging: bool | None = None,
+        staging_chunk_bytes: int | None = None,
+        staging_slots: int | None = None,
+        stage_host_memory: bool | None = None,
     ) -> None:
         if isinstance(domain, str) or domain is None:
             domains = [] if domain is None else [domain]
@@ -293,6 +323,10 @@ class TransferEngine:
             "gpu_network": gpu_network,
             "force_network": force_network,
             "gpu_registration": gpu_registration,
+            "staging": staging,
+            "staging_chunk_bytes": staging_chunk_bytes,
+            "staging_slots": staging_slots,
+            "stage_host_memory": stage_host_memory,
         }
         native = _rust.TransferEngine(
             provider, domains, **{k: v for k, v in options.items() if v is not None}
@@ -707,6 +741,18 @@ class TransferEngine:
     def gpu_network(self) -> bool:
         """Whether GPU regions of this engine are registered with the NIC (FI_HMEM)."""
         return self._native.gpu_network
+
+    @property
+    def staging(self) -> bool:
+        """Whether GPU memory the NIC cannot reach crosses hosts staged through host memory
+        (staging on, provider without FI_HMEM): GPU descriptors then carry a landing area."""
+        return self._native.staging
+
+    @property
+    def staging_stats(self) -> StagingStats:
+        """What this engine moved staged: requests it wrote and bytes it bounced, requests and
+        bytes that landed in its regions."""
+        return StagingStats(*self._native.staging_stats)
 
     @property
     def refused_messages(self) -> int:

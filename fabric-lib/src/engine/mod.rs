@@ -70,6 +70,7 @@ pub struct TransferEngine {
     stats: Arc<[worker::DomainCounters]>,
     /// Every domain moves GPU memory itself (FI_HMEM): GPU regions are registered with the NIC.
     hmem: bool,
+    staging: Arc<crate::staging::StagingCounters>,
 }
 
 impl TransferEngine {
@@ -124,12 +125,24 @@ impl TransferEngine {
             stopped: AtomicBool::new(false),
             stats: info.stats.clone(),
             hmem: info.hmem,
+            staging: info.staging.clone(),
         })
     }
 
     /// The address peers use to reach this engine.
     pub fn main_address(&self) -> &EngineAddress {
         &self.address
+    }
+
+    /// What this engine moved through staging (GPU memory over providers without FI_HMEM).
+    pub fn staging_stats(&self) -> crate::staging::StagingStats {
+        self.staging.snapshot()
+    }
+
+    /// Whether GPU memory the NIC cannot reach travels staged through host memory (staging
+    /// on and the provider without FI_HMEM): GPU descriptors then carry a landing area.
+    pub fn staging(&self) -> bool {
+        self.config.staging.is_some() && !self.hmem
     }
 
     /// The provider in use, e.g. `tcp;ofi_rxm`.

@@ -26,7 +26,46 @@ pub use header::{ChunkHeader, HeaderPiece};
 pub use plan::{plan_chunks, plan_chunks_bounded, Chunk, Piece};
 pub use reassembly::{Progress, Reassembly};
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::{FabricError, Result};
+
+/// What one engine moved through staging, updated by its worker (relaxed: for reports).
+#[derive(Debug, Default)]
+pub(crate) struct StagingCounters {
+    pub requests_sent: AtomicU64,
+    pub bounced_bytes: AtomicU64,
+    pub requests_landed: AtomicU64,
+    pub landed_bytes: AtomicU64,
+}
+
+impl StagingCounters {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> StagingStats {
+        StagingStats {
+            requests_sent: self.requests_sent.load(Ordering::Relaxed),
+            bounced_bytes: self.bounced_bytes.load(Ordering::Relaxed),
+            requests_landed: self.requests_landed.load(Ordering::Relaxed),
+            landed_bytes: self.landed_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Staged traffic of an engine (see [`crate::TransferEngine::staging_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagingStats {
+    /// Staged requests this engine started as the writer.
+    pub requests_sent: u64,
+    /// Bytes copied from source regions into bounce buffers.
+    pub bounced_bytes: u64,
+    /// Staged requests that completed into this engine's regions (immediate counted).
+    pub requests_landed: u64,
+    /// Bytes copied from the landing area into destination regions.
+    pub landed_bytes: u64,
+}
 
 /// Sizes of one engine's staging memory: `slots` chunks of `chunk_bytes` each, for bounce
 /// buffers (writer) and for the landing area (receiver) alike.

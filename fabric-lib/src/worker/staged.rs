@@ -31,7 +31,7 @@ use crate::provider::libfabric::Access;
 use crate::sharding::DeferredImm;
 use crate::staging::memory::{Copier, Copying, Direction, StagingMemory};
 use crate::staging::{
-    plan_chunks_bounded, Chunk, ChunkHeader, Grants, Progress, Reassembly, RequestKey, SlotPool, StagingConfig,
+    plan_chunks_bounded, StagingCounters, Chunk, ChunkHeader, Grants, Progress, Reassembly, RequestKey, SlotPool, StagingConfig,
 };
 
 /// Region ids of the staging buffers among the worker's regions (user regions count up from 1).
@@ -144,6 +144,7 @@ pub(super) struct Staged {
     sends: Arc<CompletionCounter>,
     sends_failed_seen: u64,
     last_expiry: Instant,
+    pub counters: Arc<StagingCounters>,
 }
 
 impl Staged {
@@ -161,6 +162,7 @@ impl Staged {
             sends: CompletionCounter::new(),
             sends_failed_seen: 0,
             last_expiry: Instant::now(),
+            counters: Arc::default(),
         })
     }
 
@@ -257,6 +259,7 @@ impl Worker {
             Ok(job) => {
                 self.keep_peers(id, vec![target]);
                 self.track_region(region, 1);
+                StagingCounters::add(&self.staged.counters.requests_sent, 1);
                 self.staged.writes.insert(id, job);
             }
             Err(e) => self.fail_request(id, e),
@@ -530,6 +533,7 @@ impl Worker {
             .iter()
             .map(|p| (base + p.slot_offset, job.src_ptr + p.src_offset, p.len))
             .collect();
+        StagingCounters::add(&self.staged.counters.bounced_bytes, job.chunks[chunk].bytes);
         // SAFETY: the source lies inside its region (checked by the engine), which cannot be
         // unregistered while the job holds it; the bounce slot is this task's alone until the
         // copy and the writes from it completed.
@@ -762,10 +766,12 @@ impl Worker {
                 continue;
             }
             job.drained.push(header.slot);
+            StagingCounters::add(&self.staged.counters.landed_bytes, header.pieces.iter().map(|p| p.len).sum());
             let accepted = job.reassembly.as_mut().expect("admitted before copying").accept(&header);
             match accepted {
                 Ok(Progress::Complete { imm }) => {
                     job.complete = true;
+                    StagingCounters::add(&self.staged.counters.requests_landed, 1);
                     if let Some(imm) = imm {
                         let tag = job.tag;
                         self.on_remote_imm(cq_data(tag, imm));
