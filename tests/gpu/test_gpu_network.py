@@ -62,7 +62,8 @@ def test_gpu_network_option_reaches_the_provider() -> None:
 def test_forced_network_path_refuses_unregistered_gpu_memory_with_a_reason() -> None:
     if not _has_gpu():
         pytest.skip("needs a CUDA GPU")
-    with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", force_network=True) as a:
+    # Staging off: tcp alone cannot reach GPU memory (tests/gpu/test_gpu_staged.py stages it).
+    with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", force_network=True, staging=False) as a:
         src = a.register_tensor(torch.ones(4096, dtype=torch.uint8, device="cuda"))
         dst = a.register_tensor(torch.zeros(4096, dtype=torch.uint8)).descriptor
         with pytest.raises(ProviderUnavailableError, match="FI_HMEM"):
