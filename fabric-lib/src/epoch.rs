@@ -79,6 +79,8 @@ pub(crate) enum Control {
     /// Staging, receiver → writer: slots of `request` whose chunks reached the destination
     /// (`drained`), slots the request may fill next (`granted`), or why it cannot complete.
     StageCredit { request: u64, drained: Vec<u32>, granted: Vec<u32>, error: Option<String> },
+    /// Staging, writer → receiver: `writer`'s request failed or timed out; free its slots.
+    StageCancel { writer: u64, request: u64 },
 }
 
 impl Control {

@@ -289,6 +289,37 @@ fn a_receiver_without_the_region_refuses_with_a_typed_error() {
 }
 
 #[test]
+fn slots_of_a_writer_that_went_away_serve_others_after_the_timeout() {
+    let mut src_buf = filled(9);
+    let mut dst_buf = vec![0u8; REGION];
+    let a = engine(true, Duration::from_secs(20));
+    let b = engine(true, Duration::from_secs(2));
+    let c = engine(true, Duration::from_secs(20));
+    // SAFETY: the buffers outlive the engines.
+    let (src_a, _) = unsafe { a.register_memory(src_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    // SAFETY: as above (two registrations of one buffer, read only).
+    let (src_c, _) = unsafe { c.register_memory(src_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    // SAFETY: as above.
+    let (_, dst) = unsafe { b.register_memory(dst_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    // `a` starts a request of many chunks and stops at once: its grants stay with `b` until
+    // `b` gives up on it (no chunk for its transfer_timeout).
+    let req =
+        WriteRequest { src: src_a, src_offset: 0, len: REGION as u64, dst: &dst, dst_offset: 0, imm: Some(1), domains: DomainChoice::Shard(1) };
+    a.submit_write(&req, Box::new(|_| {})).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    a.stop();
+    let (tx, rx) = mpsc::channel();
+    let req =
+        WriteRequest { src: src_c, src_offset: 0, len: 300_000, dst: &dst, dst_offset: 0, imm: Some(2), domains: DomainChoice::Shard(1) };
+    c.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    rx.recv_timeout(Duration::from_secs(15)).expect("the second writer completes").unwrap();
+    b.wait_imm_count(2, 1, BOUND).unwrap();
+    assert_eq!(b.imm_count(1), 0, "the abandoned request was counted");
+    drop((a, c, b));
+    assert_eq!(&dst_buf[..300_000], &src_buf[..300_000]);
+}
+
+#[test]
 fn staging_off_keeps_host_memory_on_the_plain_path_and_validates_sizes() {
     let bad = EngineConfig {
         staging: Some(StagingConfig { chunk_bytes: 1000, slots: 2 }),

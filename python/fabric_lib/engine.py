@@ -90,8 +90,9 @@ class MemoryRegion:
         self.descriptor = descriptor
         self.length = length
         #: How the memory reached the NIC: "host" (host memory), "dmabuf" or "cuda" (GPU memory
-        #: registered through DMA-BUF or by address with the CUDA interface), or "same-host" (GPU
-        #: memory the NIC cannot reach: CUDA IPC peers only).
+        #: registered through DMA-BUF or by address with the CUDA interface), "staged" (GPU memory
+        #: the NIC cannot reach, which peers on other hosts reach through this engine's landing
+        #: area) or "same-host" (CUDA IPC peers only).
         self.registration = registration
         self._owner = owner  # the tensor/buffer whose memory is registered
 
@@ -425,7 +426,10 @@ class TransferEngine:
 
     def _register(self, ptr: int, length: int, owner: Any, device: int | None = None) -> MemoryRegion:
         handle, descriptor = self._native.register_memory(ptr, length, device)
-        region = MemoryRegion(handle, descriptor, length, owner, self._native.region_registration(handle))
+        registration = self._native.region_registration(handle)
+        if registration == "same-host" and descriptor.staged_reachable:
+            registration = "staged"
+        region = MemoryRegion(handle, descriptor, length, owner, registration)
         with self._lock:
             self._regions[handle] = region
         return region

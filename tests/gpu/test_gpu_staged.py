@@ -102,12 +102,14 @@ def test_gpu_regions_say_they_are_reached_staged_and_staging_can_be_turned_off()
         region = e.register_tensor(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
         assert region.descriptor.staged_reachable
         assert not region.descriptor.network_reachable
+        assert region.registration == "staged"
         host = e.register_tensor(torch.zeros(1 << 20, dtype=torch.uint8))
         assert not host.descriptor.staged_reachable, "host memory needs no landing area"
     with _staged_engine(staging=False) as e:
         assert not e.staging
         src = e.register_tensor(torch.ones(4096, dtype=torch.uint8, device="cuda"))
         assert not src.descriptor.staged_reachable
+        assert src.registration == "same-host"
         dst = e.register_tensor(torch.zeros(4096, dtype=torch.uint8)).descriptor
         with pytest.raises(ProviderUnavailableError, match="FI_HMEM"):
             e.submit_write(src, dst)

@@ -87,6 +87,8 @@ struct ToLanding {
     tag: u32,
     granted: VecDeque<u32>,
     asked: bool,
+    /// Chunks the receiver credited back as drained (all of them: the request succeeded).
+    drained: usize,
 }
 
 struct WriterJob {
@@ -107,6 +109,7 @@ struct WriterJob {
 
 struct InboundJob {
     reply_to: u64,
+    chunks: u32,
     tag: u32,
     region: u64,
     dst_ptr: u64,
@@ -319,6 +322,7 @@ impl Worker {
                 tag: self.tags_by_dest[0].get(&dests[0]).copied().unwrap_or(self.own_tag),
                 granted: VecDeque::new(),
                 asked: false,
+                drained: 0,
             }),
             StagedDest::Region => None,
         };
@@ -397,12 +401,25 @@ impl Worker {
         if !job.dead && self.requests.contains_key(&id) {
             self.fail_request(id, e);
         }
+        if !job.dead {
+            self.cancel_landing(id, job);
+        }
         job.dead = true;
+    }
+
+    /// Tells the receiver a request it granted slots to will not complete (best effort: a
+    /// dead receiver forgets it on its own).
+    fn cancel_landing(&mut self, id: u64, job: &WriterJob) {
+        if let Some(l) = job.landing.as_ref().filter(|l| l.asked && l.drained < job.chunks.len()) {
+            let receiver = l.receiver;
+            self.send_staging(receiver, &Control::StageCancel { writer: self.staged.nonce, request: id });
+        }
     }
 
     fn advance_write(&mut self, id: u64, job: &mut WriterJob) -> bool {
         let mut active = false;
-        if !self.requests.contains_key(&id) {
+        if !job.dead && !self.requests.contains_key(&id) {
+            self.cancel_landing(id, job);
             job.dead = true;
         }
         let mut i = 0;
@@ -610,6 +627,7 @@ impl Worker {
             Control::StageCredit { request, drained, granted, error } => {
                 self.on_stage_credit(request, drained, granted, error)
             }
+            Control::StageCancel { writer, request } => self.on_stage_cancel((writer, request)),
             Control::Readmit { .. } | Control::Counted { .. } => {
                 tracing::error!("a re-admission message reached the staging handler")
             }
@@ -652,6 +670,7 @@ impl Worker {
         }
         let job = InboundJob {
             reply_to: reply,
+            chunks,
             tag,
             region,
             dst_ptr: dst_base,
@@ -666,6 +685,20 @@ impl Worker {
             failed: false,
         };
         self.staged.inbound.insert(key, job);
+    }
+
+    /// The writer gave up on a request: free its slots (copies running finish on their own).
+    fn on_stage_cancel(&mut self, key: RequestKey) {
+        let Some(job) = self.staged.inbound.get_mut(&key) else { return };
+        if job.complete {
+            return;
+        }
+        job.failed = true;
+        job.drained.clear();
+        job.granted.clear();
+        if let Some(l) = self.staged.landing.as_mut() {
+            l.grants.forget(key);
+        }
     }
 
     /// Fails an incoming request: tells its writer why, frees the slots it holds.
@@ -698,8 +731,8 @@ impl Worker {
         let checked = header
             .check(landing.slots, landing.chunk_bytes, job.region_len)
             .and_then(|()| {
-                if header.dst_base != dst_ptr {
-                    return Err(FabricError::InvalidDescriptor("a chunk for another region".into()));
+                if header.dst_base != dst_ptr || header.chunks != job.chunks {
+                    return Err(FabricError::InvalidDescriptor("a chunk that does not match its request".into()));
                 }
                 job.reassembly.get_or_insert_with(|| Reassembly::new(&header)).admit(&header)
             })
@@ -785,6 +818,7 @@ impl Worker {
             for (key, slot) in l.grants.dispense() {
                 if let Some(job) = self.staged.inbound.get_mut(&key) {
                     job.granted.push(slot);
+                    job.last_activity = Instant::now();
                 }
             }
         }
@@ -852,6 +886,9 @@ impl Worker {
                 match found {
                     Some(i) => {
                         job.tasks.swap_remove(i);
+                        if let Some(l) = job.landing.as_mut() {
+                            l.drained += 1;
+                        }
                         self.finish(request, Ok(()));
                     }
                     None => tracing::warn!("a drained credit for landing slot {slot} that holds no chunk of ours"),
