@@ -166,7 +166,10 @@ def main() -> None:
         timeout=120,
     ) as (rx,):
         gpu_bytes, host_bytes, path = rx.call(descriptors)
-        dst, dst_host = fabric_lib.MrDescriptor.from_bytes(gpu_bytes), fabric_lib.MrDescriptor.from_bytes(host_bytes)
+        dst, dst_host = (
+            fabric_lib.MrDescriptor.from_bytes(gpu_bytes),
+            fabric_lib.MrDescriptor.from_bytes(host_bytes),
+        )
         with fabric_lib.TransferEngine(
             args.provider, gpu_network=True, force_network=True, transfer_timeout=TIMEOUT
         ) as writer:
@@ -178,7 +181,9 @@ def main() -> None:
                 for size in sizes:
                     count = max(2 * args.window, args.bytes_per_size // size)
                     imm += 1
-                    rows[size]["fabric"].append(fabric_gbps(writer, src, dst, rx, size, args.window, count, imm))
+                    rows[size]["fabric"].append(
+                        fabric_gbps(writer, src, dst, rx, size, args.window, count, imm)
+                    )
                     if path == "staged":
                         imm += 1
                         rows[size]["baseline"].append(
@@ -210,7 +215,9 @@ def main() -> None:
             f"{size >> 20:>6}Mi {fab:>16.2f} {raw if raw is not None else float('nan'):>16.2f}"
             f" {ratio if ratio is not None else float('nan'):>6.2f}"
         )
-    print(f"paged GPU -> GPU, {PAGES} pages of {PAGE >> 10} KiB per request: {statistics.median(paged):.2f} GB/s")
+    print(
+        f"paged GPU -> GPU, {PAGES} pages of {PAGE >> 10} KiB per request: {statistics.median(paged):.2f} GB/s"
+    )
     if path == "staged":
         print(f"writer staging: {stats}")
     series = {

@@ -215,8 +215,15 @@ fn a_zero_byte_staged_write_delivers_its_immediate() {
     let mut dst_buf = vec![0u8; REGION];
     let p = pair(&mut src_buf, &mut dst_buf, true, true);
     let (tx, rx) = mpsc::channel();
-    let req =
-        WriteRequest { src: p.src, src_offset: 0, len: 0, dst: &p.dst, dst_offset: 0, imm: Some(9), domains: DomainChoice::Shard(1) };
+    let req = WriteRequest {
+        src: p.src,
+        src_offset: 0,
+        len: 0,
+        dst: &p.dst,
+        dst_offset: 0,
+        imm: Some(9),
+        domains: DomainChoice::Shard(1),
+    };
     p.a.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
     rx.recv_timeout(BOUND).unwrap().unwrap();
     p.b.wait_imm_count(9, 1, BOUND).unwrap();
@@ -251,7 +258,10 @@ fn a_stopped_receiver_fails_staged_writes_with_a_typed_error_in_time() {
     for _ in 0..4 {
         let r = rx.recv_timeout(Duration::from_secs(15)).expect("a staged write to a dead receiver must not hang");
         assert!(
-            matches!(r, Err(FabricError::Timeout(_)) | Err(FabricError::TransferFailed(_)) | Err(FabricError::PeerFenced(_))),
+            matches!(
+                r,
+                Err(FabricError::Timeout(_)) | Err(FabricError::TransferFailed(_)) | Err(FabricError::PeerFenced(_))
+            ),
             "{r:?}"
         );
     }
@@ -278,8 +288,15 @@ fn a_receiver_without_the_region_refuses_with_a_typed_error() {
     let (dst_h, dst) = unsafe { b.register_memory(dst_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
     b.unregister_memory(dst_h).unwrap();
     let (tx, rx) = mpsc::channel();
-    let req =
-        WriteRequest { src, src_offset: 0, len: 100_000, dst: &dst, dst_offset: 0, imm: Some(3), domains: DomainChoice::Shard(1) };
+    let req = WriteRequest {
+        src,
+        src_offset: 0,
+        len: 100_000,
+        dst: &dst,
+        dst_offset: 0,
+        imm: Some(3),
+        domains: DomainChoice::Shard(1),
+    };
     a.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
     let r = rx.recv_timeout(Duration::from_secs(10)).expect("refused well before the transfer timeout");
     assert!(matches!(&r, Err(FabricError::TransferFailed(m)) if m.contains("no region registered")), "{r:?}");
@@ -303,14 +320,28 @@ fn slots_of_a_writer_that_went_away_serve_others_after_the_timeout() {
     let (_, dst) = unsafe { b.register_memory(dst_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
     // `a` starts a request of many chunks and stops at once: its grants stay with `b` until
     // `b` gives up on it (no chunk for its transfer_timeout).
-    let req =
-        WriteRequest { src: src_a, src_offset: 0, len: REGION as u64, dst: &dst, dst_offset: 0, imm: Some(1), domains: DomainChoice::Shard(1) };
+    let req = WriteRequest {
+        src: src_a,
+        src_offset: 0,
+        len: REGION as u64,
+        dst: &dst,
+        dst_offset: 0,
+        imm: Some(1),
+        domains: DomainChoice::Shard(1),
+    };
     a.submit_write(&req, Box::new(|_| {})).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     a.stop();
     let (tx, rx) = mpsc::channel();
-    let req =
-        WriteRequest { src: src_c, src_offset: 0, len: 300_000, dst: &dst, dst_offset: 0, imm: Some(2), domains: DomainChoice::Shard(1) };
+    let req = WriteRequest {
+        src: src_c,
+        src_offset: 0,
+        len: 300_000,
+        dst: &dst,
+        dst_offset: 0,
+        imm: Some(2),
+        domains: DomainChoice::Shard(1),
+    };
     c.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
     rx.recv_timeout(Duration::from_secs(15)).expect("the second writer completes").unwrap();
     b.wait_imm_count(2, 1, BOUND).unwrap();
@@ -321,10 +352,7 @@ fn slots_of_a_writer_that_went_away_serve_others_after_the_timeout() {
 
 #[test]
 fn staging_off_keeps_host_memory_on_the_plain_path_and_validates_sizes() {
-    let bad = EngineConfig {
-        staging: Some(StagingConfig { chunk_bytes: 1000, slots: 2 }),
-        ..Default::default()
-    };
+    let bad = EngineConfig { staging: Some(StagingConfig { chunk_bytes: 1000, slots: 2 }), ..Default::default() };
     assert!(matches!(TransferEngine::new(bad), Err(FabricError::InvalidArgument(_))));
     let bad = EngineConfig { staging: None, stage_host_memory: true, ..Default::default() };
     assert!(matches!(TransferEngine::new(bad), Err(FabricError::InvalidArgument(_))));

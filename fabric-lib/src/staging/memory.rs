@@ -33,8 +33,9 @@ impl StagingMemory {
                 let layout = Layout::from_size_align(len.max(1), 4096)
                     .map_err(|e| FabricError::InvalidArgument(format!("staging memory of {len} bytes: {e}")))?;
                 // SAFETY: the layout has a non-zero size.
-                let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
-                    .ok_or_else(|| FabricError::InvalidArgument(format!("cannot allocate {len} bytes of staging memory")))?;
+                let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or_else(|| {
+                    FabricError::InvalidArgument(format!("cannot allocate {len} bytes of staging memory"))
+                })?;
                 Ok(StagingMemory::Host { ptr, layout })
             }
         }
@@ -93,11 +94,11 @@ pub(crate) struct Copier {
 
 impl Copier {
     fn streams(&mut self, device: u32) -> Result<&DeviceStreams> {
-        if !self.devices.contains_key(&device) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.devices.entry(device) {
             let ctx = cuda_lib::Context::new(device as usize)?;
             let to_staging = cuda_lib::Stream::new(&ctx)?;
             let from_staging = cuda_lib::Stream::new(&ctx)?;
-            self.devices.insert(device, DeviceStreams { ctx, to_staging, from_staging });
+            slot.insert(DeviceStreams { ctx, to_staging, from_staging });
         }
         Ok(&self.devices[&device])
     }
@@ -108,7 +109,12 @@ impl Copier {
     /// # Safety
     /// Every range must be valid for the copy and stay allocated, and the destination ranges
     /// untouched by anyone else, until the returned copy reports done.
-    pub unsafe fn copy(&mut self, kind: MemoryKind, direction: Direction, pieces: &[(u64, u64, u64)]) -> Result<Copying> {
+    pub unsafe fn copy(
+        &mut self,
+        kind: MemoryKind,
+        direction: Direction,
+        pieces: &[(u64, u64, u64)],
+    ) -> Result<Copying> {
         let device = match kind {
             MemoryKind::Host => {
                 for &(dst, src, len) in pieces {

@@ -31,7 +31,8 @@ use crate::provider::libfabric::Access;
 use crate::sharding::DeferredImm;
 use crate::staging::memory::{Copier, Copying, Direction, StagingMemory};
 use crate::staging::{
-    plan_chunks_bounded, StagingCounters, Chunk, ChunkHeader, Grants, Progress, Reassembly, RequestKey, SlotPool, StagingConfig,
+    plan_chunks_bounded, Chunk, ChunkHeader, Grants, Progress, Reassembly, RequestKey, SlotPool, StagingConfig,
+    StagingCounters,
 };
 
 /// Region ids of the staging buffers among the worker's regions (user regions count up from 1).
@@ -520,12 +521,9 @@ impl Worker {
             active = true;
             if let Some(slot) = bounce_slot {
                 match self.copy_to_bounce(job, chunk, slot) {
-                    Ok(copying) => job.tasks.push(Task {
-                        chunk,
-                        bounce_slot,
-                        landing_slot,
-                        stage: Stage::Copying(copying),
-                    }),
+                    Ok(copying) => {
+                        job.tasks.push(Task { chunk, bounce_slot, landing_slot, stage: Stage::Copying(copying) })
+                    }
                     Err(e) => {
                         self.release_bounce(bounce_slot);
                         self.kill_job(id, job, e);
@@ -716,7 +714,10 @@ impl Worker {
             l.grants.forget(key);
         }
         let why: String = why.chars().take(512).collect();
-        self.send_staging(reply, &Control::StageCredit { request: key.1, drained: vec![], granted: vec![], error: Some(why) });
+        self.send_staging(
+            reply,
+            &Control::StageCredit { request: key.1, drained: vec![], granted: vec![], error: Some(why) },
+        );
     }
 
     fn on_stage_chunk(&mut self, key: RequestKey, header: ChunkHeader) {
@@ -827,7 +828,8 @@ impl Worker {
             let job = self.staged.inbound.get_mut(&key).expect("listed");
             if !job.drained.is_empty() || !job.granted.is_empty() {
                 active = true;
-                let (drained, granted, reply) = (std::mem::take(&mut job.drained), std::mem::take(&mut job.granted), job.reply_to);
+                let (drained, granted, reply) =
+                    (std::mem::take(&mut job.drained), std::mem::take(&mut job.granted), job.reply_to);
                 let parts = drained.len().max(granted.len()).div_ceil(CREDITS_PER_MESSAGE);
                 for p in 0..parts {
                     let range = |v: &[u32]| {
@@ -879,10 +881,8 @@ impl Worker {
             self.kill_job(request, &mut job, e);
         } else if !job.dead {
             for slot in drained {
-                let found = job
-                    .tasks
-                    .iter()
-                    .position(|t| t.landing_slot == Some(slot) && matches!(t.stage, Stage::Announced));
+                let found =
+                    job.tasks.iter().position(|t| t.landing_slot == Some(slot) && matches!(t.stage, Stage::Announced));
                 match found {
                     Some(i) => {
                         job.tasks.swap_remove(i);
