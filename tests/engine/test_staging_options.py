@@ -1,0 +1,55 @@
+"""Staging options and the staged protocol from Python, without a GPU: host memory takes the
+staged path (``stage_host_memory``) between two tcp engines, so bounce buffers, the landing area
+and the credits run for real (tests/gpu/test_gpu_staged.py moves GPU memory the same way)."""
+
+from __future__ import annotations
+
+import fabric_lib
+import pytest
+import torch
+from fabric_lib.errors import InvalidArgumentError
+
+
+def _engine(**options: object) -> fabric_lib.TransferEngine:
+    return fabric_lib.TransferEngine("tcp", poll_mode="adaptive", transfer_timeout=30.0, **options)  # type: ignore[arg-type]
+
+
+def test_staging_options_are_listed_and_checked() -> None:
+    defaults = fabric_lib.engine_defaults()
+    assert defaults["staging"] is True and defaults["stage_host_memory"] is False
+    assert defaults["staging_chunk_bytes"] == 4 << 20 and defaults["staging_slots"] == 8
+    with pytest.raises(InvalidArgumentError, match="chunk_bytes"):
+        _engine(staging_chunk_bytes=5000)
+    with pytest.raises(InvalidArgumentError, match="staging=False"):
+        _engine(staging=False, staging_slots=4)
+    with pytest.raises(InvalidArgumentError, match="stage_host_memory"):
+        _engine(staging=False, stage_host_memory=True)
+    with _engine() as e:
+        assert e.staging, "tcp has no FI_HMEM"
+        assert e.staging_stats == fabric_lib.StagingStats(0, 0, 0, 0)
+    with _engine(staging=False) as e:
+        assert not e.staging
+
+
+def test_host_memory_staged_end_to_end() -> None:
+    staged = {"stage_host_memory": True, "staging_chunk_bytes": 16 << 10, "staging_slots": 3}
+    with _engine(**staged) as a, _engine(**staged) as b:
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        rs, rd = a.register_tensor(src), b.register_tensor(dst)
+        assert rd.descriptor.staged_reachable and rd.descriptor.network_reachable
+        with b.imm_counter(41) as counter:
+            a.submit_write(rs, rd.descriptor, 100_003, src_offset=5, dst_offset=7, imm=41).result(timeout=30)
+            pages = [3, 0, 9, 4]
+            a.submit_paged_writes(
+                5000, rs, pages, rd.descriptor, [0, 1, 2, 3], dst_offset=200_000, imm=41
+            ).result(timeout=30)
+            counter.wait(2, timeout=30)
+            assert counter.value == 0
+        assert torch.equal(dst[7 : 7 + 100_003], src[5 : 5 + 100_003])
+        for i, p in enumerate(pages):
+            at = 200_000 + i * 5000
+            assert torch.equal(dst[at : at + 5000], src[p * 5000 : (p + 1) * 5000])
+        sent, landed = a.staging_stats, b.staging_stats
+        assert sent.requests_sent == 2 and sent.bounced_bytes == 100_003 + 4 * 5000
+        assert landed.requests_landed == 2 and landed.landed_bytes == 100_003 + 4 * 5000
