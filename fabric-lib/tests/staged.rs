@@ -17,8 +17,12 @@ const REGION: usize = 1 << 20;
 const BOUND: Duration = Duration::from_secs(30);
 
 fn engine(stage_host_memory: bool, transfer_timeout: Duration) -> TransferEngine {
+    engine_on("tcp", stage_host_memory, transfer_timeout)
+}
+
+fn engine_on(provider: &str, stage_host_memory: bool, transfer_timeout: Duration) -> TransferEngine {
     let config = EngineConfig {
-        provider: ProviderSpec::new(Some("tcp"), &[]),
+        provider: ProviderSpec::new(Some(provider), &[]),
         poll_mode: PollMode::ADAPTIVE,
         transfer_timeout,
         // Small chunks and few slots: many chunks per request, and writers wait for credits.
@@ -26,7 +30,7 @@ fn engine(stage_host_memory: bool, transfer_timeout: Duration) -> TransferEngine
         stage_host_memory,
         ..Default::default()
     };
-    TransferEngine::new(config).expect("opening tcp")
+    TransferEngine::new(config).unwrap_or_else(|e| panic!("opening {provider}: {e}"))
 }
 
 /// Deterministic pseudo-random numbers (xorshift), so failures reproduce.
@@ -54,8 +58,12 @@ struct Pair {
 
 /// Engine `a` writes from `src_buf` into `dst_buf` of engine `b`; either end stages or not.
 fn pair(src_buf: &mut [u8], dst_buf: &mut [u8], writer_stages: bool, receiver_stages: bool) -> Pair {
-    let a = engine(writer_stages, Duration::from_secs(20));
-    let b = engine(receiver_stages, Duration::from_secs(20));
+    pair_on("tcp", src_buf, dst_buf, writer_stages, receiver_stages)
+}
+
+fn pair_on(provider: &str, src_buf: &mut [u8], dst_buf: &mut [u8], writer_stages: bool, receiver_stages: bool) -> Pair {
+    let a = engine_on(provider, writer_stages, Duration::from_secs(20));
+    let b = engine_on(provider, receiver_stages, Duration::from_secs(20));
     // SAFETY: the buffers outlive the engines (each test drops the pair first).
     let (src, _) = unsafe { a.register_memory(src_buf.as_mut_ptr(), src_buf.len(), MemoryKind::Host) }.unwrap();
     // SAFETY: as above.
@@ -76,9 +84,13 @@ fn filled(seed: u64) -> Vec<u8> {
 /// Random single and paged writes into disjoint destination spans (sizes and offsets not
 /// multiples of the chunk), all in flight at once; checks every byte and every count.
 fn random_requests(writer_stages: bool, receiver_stages: bool, seed: u64) {
+    random_requests_on("tcp", writer_stages, receiver_stages, seed)
+}
+
+fn random_requests_on(provider: &str, writer_stages: bool, receiver_stages: bool, seed: u64) {
     let mut src_buf = filled(seed);
     let mut dst_buf = vec![0u8; REGION];
-    let p = pair(&mut src_buf, &mut dst_buf, writer_stages, receiver_stages);
+    let p = pair_on(provider, &mut src_buf, &mut dst_buf, writer_stages, receiver_stages);
     let mut rng = Rng(seed + 17);
     let mut expected: Vec<Option<u8>> = vec![None; REGION];
     let (tx, rx) = mpsc::channel();
@@ -168,6 +180,11 @@ fn random_requests(writer_stages: bool, receiver_stages: bool, seed: u64) {
 #[test]
 fn staged_both_ends_are_byte_exact_and_count_once() {
     random_requests(true, true, 1);
+}
+
+#[test]
+fn staged_over_udp_rxd_too() {
+    random_requests_on("udp;ofi_rxd", true, true, 10);
 }
 
 #[test]
