@@ -16,7 +16,7 @@
 //!
 //! Every request is bounded by `transfer_timeout` (the writer's request deadline; on the
 //! receiver, a request that makes no progress for that long is dropped and its slots freed).
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -118,6 +118,8 @@ struct InboundJob {
     region_len: u64,
     reassembly: Option<Reassembly>,
     copying: usize,
+    /// Slots granted to it and not announced yet: what a silent writer keeps from others.
+    holding: usize,
     last_activity: Instant,
     drained: Vec<u32>,
     granted: Vec<u32>,
@@ -199,9 +201,13 @@ impl Worker {
         let config = self.staged.config.ok_or_else(|| {
             FabricError::ProviderUnavailable("staged transfers are off in this engine's configuration".into())
         })?;
-        if !self.wide_cq_data {
+        // Control messages are told apart from immediates by their CQ data, on receives that
+        // remote writes do not consume.
+        if !self.wide_cq_data || self.domains.iter().any(|d| d.domain.imm_consumes_recv()) {
             return Err(FabricError::ProviderUnavailable(
-                "staged transfers need 8 bytes of remote CQ data, which this provider lacks".into(),
+                "staged transfers need 8 bytes of remote CQ data on receives that remote writes do not \
+                 consume, which this provider lacks"
+                    .into(),
             ));
         }
         if self.staging_message_limit() < MIN_STAGING_MESSAGE {
@@ -676,6 +682,7 @@ impl Worker {
             region_len,
             reassembly: None,
             copying: 0,
+            holding: 0,
             last_activity: Instant::now(),
             drained: Vec::new(),
             granted: Vec::new(),
@@ -756,6 +763,7 @@ impl Worker {
             Ok(copying) => {
                 let job = self.staged.inbound.get_mut(&key).expect("present");
                 job.copying += 1;
+                job.holding = job.holding.saturating_sub(1);
                 job.last_activity = Instant::now();
                 self.track_region(region, 1);
                 self.staged.copies_in.push(InboundCopy { key, header, copying });
@@ -819,6 +827,7 @@ impl Worker {
             for (key, slot) in l.grants.dispense() {
                 if let Some(job) = self.staged.inbound.get_mut(&key) {
                     job.granted.push(slot);
+                    job.holding += 1;
                     job.last_activity = Instant::now();
                 }
             }
@@ -855,18 +864,36 @@ impl Worker {
         active
     }
 
-    /// Drops incoming requests whose writer went silent for `transfer_timeout`.
+    /// Drops incoming requests whose writer went silent for `transfer_timeout` while holding
+    /// granted slots (one still waiting for slots holds nothing: it gets its turn first).
     fn expire_inbound(&mut self) {
         let timeout = self.transfer_timeout;
-        let silent: Vec<RequestKey> = self
+        let silent: HashSet<u64> = self
             .staged
             .inbound
             .iter()
-            .filter(|(_, j)| j.copying == 0 && !j.complete && j.last_activity.elapsed() > timeout)
+            .filter(|(_, j)| j.holding > 0 && j.copying == 0 && !j.complete && j.last_activity.elapsed() > timeout)
+            .map(|(k, _)| k.0)
+            .collect();
+        if silent.is_empty() {
+            return;
+        }
+        // A writer silent that long on slots it holds is gone (its own requests timed out
+        // by now): its requests still waiting for slots go too, or they would take the freed
+        // slots in turn and hold them for another timeout each.
+        let gone: Vec<RequestKey> = self
+            .staged
+            .inbound
+            .iter()
+            .filter(|(k, j)| silent.contains(&k.0) && j.copying == 0 && !j.complete)
             .map(|(k, _)| *k)
             .collect();
-        for key in silent {
-            self.fail_inbound(key, format!("no chunk arrived within {timeout:?}"));
+        tracing::warn!(
+            "dropping {} staged requests of a writer that sent nothing for {timeout:?} on slots it holds",
+            gone.len()
+        );
+        for key in gone {
+            // Quietly: messages to a writer that is gone would only hold send buffers.
             if let Some(l) = self.staged.landing.as_mut() {
                 l.grants.forget(key);
             }
