@@ -30,15 +30,16 @@ NBYTES = 32 << 20
 CHUNK = 1 << 20
 
 
-def _staged_engine(transfer_timeout: float = TIMEOUT, **options: object) -> fabric_lib.TransferEngine:
+def _staged_engine(transfer_timeout: float = TIMEOUT, staging: bool = True) -> fabric_lib.TransferEngine:
+    """A tcp engine that sends GPU transfers over the provider even on this host; staging on
+    (small chunks) or off."""
+    sizes = {"staging_chunk_bytes": CHUNK, "staging_slots": 8} if staging else {"staging": False}
     return fabric_lib.TransferEngine(
         "tcp",
         poll_mode="adaptive",
         force_network=True,
         transfer_timeout=transfer_timeout,
-        staging_chunk_bytes=CHUNK,
-        staging_slots=8,
-        **options,  # type: ignore[arg-type]
+        **sizes,  # type: ignore[arg-type]
     )
 
 
