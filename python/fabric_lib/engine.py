@@ -248,7 +248,7 @@ class TransferEngine:
             False: GPU memory serves same-host peers only (``ProviderUnavailableError``).
         staging_chunk_bytes / staging_slots: the bounce buffers' and the landing area's size:
             ``staging_slots`` chunks of ``staging_chunk_bytes`` each (a multiple of 4096)
-            [4 MiB / 8].
+            [1 MiB / 32].
         stage_host_memory: testing aid: host memory takes the staged path too (copies by
             memcpy), to exercise staging without a GPU [False].
 

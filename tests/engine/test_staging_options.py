@@ -17,7 +17,7 @@ def _engine(**options: object) -> fabric_lib.TransferEngine:
 def test_staging_options_are_listed_and_checked() -> None:
     defaults = fabric_lib.engine_defaults()
     assert defaults["staging"] is True and defaults["stage_host_memory"] is False
-    assert defaults["staging_chunk_bytes"] == 4 << 20 and defaults["staging_slots"] == 8
+    assert defaults["staging_chunk_bytes"] == 1 << 20 and defaults["staging_slots"] == 32
     with pytest.raises(InvalidArgumentError, match="chunk_bytes"):
         _engine(staging_chunk_bytes=5000)
     with pytest.raises(InvalidArgumentError, match="staging=False"):

@@ -82,9 +82,10 @@ pub const MAX_STAGING_BYTES: usize = 4 << 30;
 
 impl Default for StagingConfig {
     fn default() -> Self {
-        // 8 × 4 MiB: large enough to amortize a write's per-operation cost on tcp, deep enough
-        // that copies hide behind the wire.
-        StagingConfig { chunk_bytes: 4 << 20, slots: 8 }
+        // 32 × 1 MiB: chunks large enough to amortize a write's and an announcement's cost on
+        // tcp, and enough of them in flight that copies and credits hide behind the wire even
+        // for requests of one chunk (each takes a whole slot).
+        StagingConfig { chunk_bytes: 1 << 20, slots: 32 }
     }
 }
 
