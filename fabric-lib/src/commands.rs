@@ -43,6 +43,15 @@ pub(crate) struct SameHostTransfer {
     pub on_done: Notify,
 }
 
+/// A validated same-host read where either side is GPU memory: `peer` is the source region,
+/// `region` the local destination; `copy`'s source side is the peer's.
+pub(crate) struct SameHostRead {
+    pub region: u64,
+    pub peer: SameHostDst,
+    pub copy: SameHostCopy,
+    pub on_done: Notify,
+}
+
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
     pub peer: Vec<u8>,
@@ -59,6 +68,8 @@ pub(crate) enum Command {
         len: usize,
         kind: MemoryKind,
         network: bool,
+        /// Peers may read it (FI_REMOTE_READ on its keys); the owner opted in.
+        remote_read: bool,
         reply: Sender<Result<Vec<(u64, u64)>>>,
     },
     Unregister {
@@ -66,7 +77,10 @@ pub(crate) enum Command {
         reply: Sender<Result<()>>,
     },
     Transfer(Transfer),
+    /// A read: the shards pull from the target into `region` (see `engine::reads`).
+    Read(Transfer),
     SameHost(SameHostTransfer),
+    SameHostRead(SameHostRead),
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
     /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
@@ -84,7 +98,9 @@ impl Command {
     pub(crate) fn into_stopped(self) -> Option<Notify> {
         match self {
             Command::Transfer(Transfer { on_done, .. })
+            | Command::Read(Transfer { on_done, .. })
             | Command::SameHost(SameHostTransfer { on_done, .. })
+            | Command::SameHostRead(SameHostRead { on_done, .. })
             | Command::Send(SendCommand { on_done, .. }) => return Some(on_done),
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));

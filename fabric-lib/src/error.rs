@@ -31,6 +31,9 @@ pub enum FabricError {
     /// have landed; resending blindly could count an immediate twice).
     #[error("peer fenced: {0}")]
     PeerFenced(String),
+    /// A read of a peer region its owner did not make remotely readable; nothing was posted.
+    #[error("region not readable: {0}")]
+    NotReadable(String),
     /// The engine was stopped before or while the operation ran.
     #[error("engine stopped")]
     Stopped,

@@ -29,6 +29,8 @@ use crate::sharding::DeferredImm;
 /// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
 
+mod reads;
+
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
     pub provider: String,
@@ -43,6 +45,8 @@ pub(crate) struct WorkerInfo {
     pub oversized_messages: Arc<AtomicU64>,
     /// Every domain has FI_HMEM: GPU memory can be registered with the NIC.
     pub hmem: bool,
+    /// Every domain can issue and serve RMA reads.
+    pub read: bool,
 }
 
 /// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
@@ -87,18 +91,27 @@ enum Op {
         len: usize,
         dest: u64,
     },
+    /// Pulls `len` bytes of a peer region into `ptr` (inside local region `region`).
+    Read {
+        region: u64,
+        ptr: usize,
+        len: usize,
+        dest: u64,
+        remote_addr: u64,
+        key: u64,
+    },
 }
 
 impl Op {
     fn len(&self) -> usize {
         match *self {
-            Op::Write { len, .. } | Op::Send { len, .. } => len,
+            Op::Write { len, .. } | Op::Send { len, .. } | Op::Read { len, .. } => len,
         }
     }
 
     fn dest(&self) -> u64 {
         match *self {
-            Op::Write { dest, .. } | Op::Send { dest, .. } => dest,
+            Op::Write { dest, .. } | Op::Send { dest, .. } | Op::Read { dest, .. } => dest,
         }
     }
 }
@@ -145,6 +158,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                         exited: worker.exited.clone(),
                         oversized_messages: worker.oversized_messages.clone(),
                         hmem: worker.domains.iter().all(|d| d.domain.has_hmem()),
+                        read: worker.domains.iter().all(|d| d.domain.supports_read()),
                     };
                     let _ = ready_tx.send(Ok(info));
                     // A bug must not leave futures pending forever: whatever happens in the
@@ -327,17 +341,18 @@ impl Worker {
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Register { region, ptr, len, kind, network, reply } => {
+            Command::Register { region, ptr, len, kind, network, remote_read, reply } => {
+                let access = if remote_read { Access::RemoteReadWrite } else { Access::RemoteWrite };
                 let mrs: Result<Vec<LocalMr>> = match (network, kind) {
                     (false, _) => Ok(Vec::new()),
-                    (true, MemoryKind::Host) => self
+                    (true, MemoryKind::Host) => {
+                        self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len, access)).collect()
+                    }
+                    (true, MemoryKind::Cuda(device)) => self
                         .domains
                         .iter_mut()
-                        .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
+                        .map(|d| d.domain.register_cuda(ptr as *mut u8, len, device, access))
                         .collect(),
-                    (true, MemoryKind::Cuda(device)) => {
-                        self.domains.iter_mut().map(|d| d.domain.register_cuda(ptr as *mut u8, len, device)).collect()
-                    }
                 };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
@@ -361,6 +376,8 @@ impl Worker {
                 let _ = reply.send(result);
             }
             Command::Transfer(t) => self.start_transfer(t),
+            Command::Read(t) => self.start_read(t),
+            Command::SameHostRead(t) => self.start_same_host_read(t),
             Command::SameHost(t) => self.start_same_host(t),
             Command::Send(cmd) => self.start_send(cmd),
             Command::SetRecvCallback(cb) => {
@@ -580,9 +597,10 @@ impl Worker {
         }
     }
 
-    /// [`Worker::track_region`] for the region a post reads from (sends read library buffers).
+    /// [`Worker::track_region`] for the region a post reads from or reads into (sends use
+    /// library buffers).
     fn track(&mut self, op: &Op, delta: isize) {
-        if let Op::Write { region, .. } = *op {
+        if let Op::Write { region, .. } | Op::Read { region, .. } = *op {
             self.track_region(region, delta);
         }
     }
@@ -640,6 +658,7 @@ impl Worker {
         let kind = match post.op {
             Op::Write { region, .. } => OpKind::Write { request: post.request, region },
             Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
+            Op::Read { region, .. } => OpKind::Read { request: post.request, region },
         };
         let context = Box::into_raw(OpContext::new(kind));
         let d = &mut self.domains[domain];
@@ -669,6 +688,17 @@ impl Worker {
                     let ptr = d.send_buffers.slot_ptr(slot);
                     let desc = d.send_buffers.desc();
                     d.domain.post_send(ptr, len, desc, dest, self.delivery, context)
+                }
+                Op::Read { region, ptr, len, dest, remote_addr, key } => {
+                    match self.regions.get(&region).and_then(|r| r.mrs.get(domain)) {
+                        Some(mr) => d.domain.post_read(ptr as *mut u8, len, mr.desc(), dest, remote_addr, key, context),
+                        None => {
+                            // As for writes: a region with queued posts cannot be unregistered.
+                            drop(Box::from_raw(context));
+                            let e = format!("memory handle {region} is no longer registered");
+                            return Err(FabricError::InvalidArgument(e));
+                        }
+                    }
                 }
             }
         };
@@ -835,7 +865,7 @@ impl Worker {
 
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {
         match kind {
-            OpKind::Write { request, region } => {
+            OpKind::Write { request, region } | OpKind::Read { request, region } => {
                 self.track_region(region, -1);
                 self.finish(request, result);
             }

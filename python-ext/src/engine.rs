@@ -2,8 +2,8 @@
 //! blocks, and forwards to `fabric_lib::TransferEngine`.
 
 use fabric_lib::{
-    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, ProviderSpec, ScatterSharding,
-    ScatterTarget, TransferEngine, WriteRequest,
+    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedReadRequest, PagedWriteRequest, PeerGroup, ProviderSpec,
+    ReadRequest, RegisterOptions, ScatterSharding, ScatterTarget, TransferEngine, WriteRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -70,14 +70,15 @@ impl PyTransferEngine {
 
     /// Registers memory at `ptr`; the caller keeps it alive until unregistered. `device`: None
     /// detects host or CUDA memory (without loading CUDA when it is not loaded), -1 forces
-    /// host memory, N >= 0 CUDA memory of device N.
-    #[pyo3(signature = (ptr, length, device=None))]
+    /// host memory, N >= 0 CUDA memory of device N. `remote_read`: peers may read the region.
+    #[pyo3(signature = (ptr, length, device=None, remote_read=false))]
     fn register_memory(
         &self,
         py: Python<'_>,
         ptr: usize,
         length: usize,
         device: Option<i64>,
+        remote_read: bool,
     ) -> PyResult<(u64, PyMrDescriptor)> {
         let kind = match device {
             None => fabric_lib::gpu::detect_memory_kind(ptr as u64),
@@ -86,8 +87,9 @@ impl PyTransferEngine {
         };
         // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
         // registration exists; raw-pointer callers accept that contract in the docs.
+        let options = RegisterOptions { remote_read };
         let (handle, desc) =
-            py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, kind) }).py(py)?;
+            py.detach(|| unsafe { self.engine.register_memory_with(ptr as *mut u8, length, kind, options) }).py(py)?;
         Ok((handle.0, PyMrDescriptor(desc)))
     }
 
@@ -190,6 +192,60 @@ impl PyTransferEngine {
         };
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)
+    }
+
+    /// `domain`: None shards over up to `shard_domains` domains; an int pins one domain.
+    #[pyo3(signature = (src, src_offset, length, dst, dst_offset, callback, domain=None, shard_domains=usize::MAX))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_read(
+        &self,
+        py: Python<'_>,
+        src: PyRef<'_, PyMrDescriptor>,
+        src_offset: u64,
+        length: u64,
+        dst: u64,
+        dst_offset: u64,
+        callback: Py<PyAny>,
+        domain: Option<usize>,
+        shard_domains: usize,
+    ) -> PyResult<()> {
+        let src = &src.0;
+        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let req = ReadRequest { src, src_offset, len: length, dst: MrHandle(dst), dst_offset, domains };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_read(&req, on_done)).py(py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit_paged_reads(
+        &self,
+        py: Python<'_>,
+        page_len: u64,
+        src: PyRef<'_, PyMrDescriptor>,
+        src_pages: &Bound<'_, PyAny>,
+        src_stride: u64,
+        src_offset: u64,
+        dst: u64,
+        dst_pages: &Bound<'_, PyAny>,
+        dst_stride: u64,
+        dst_offset: u64,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let src = &src.0;
+        let (src_pages, dst_pages) = (page_indices(src_pages)?, page_indices(dst_pages)?);
+        let req = PagedReadRequest {
+            page_len,
+            src,
+            src_pages: &src_pages,
+            src_stride,
+            src_offset,
+            dst: MrHandle(dst),
+            dst_pages: &dst_pages,
+            dst_stride,
+            dst_offset,
+        };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_paged_reads(&req, on_done)).py(py)
     }
 
     fn submit_imm_to(

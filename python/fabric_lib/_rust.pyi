@@ -44,6 +44,8 @@ class MrDescriptor:
     @property
     def network_reachable(self) -> bool: ...
     @property
+    def remote_readable(self) -> bool: ...
+    @property
     def owner(self) -> EngineAddress: ...
     def __len__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
@@ -77,7 +79,7 @@ class TransferEngine:
     def try_take_imm_count(self, imm: int, count: int) -> bool: ...
     def readmit_peer(self, peer: EngineAddress) -> bool: ...
     def register_memory(
-        self, ptr: int, length: int, device: int | None = None
+        self, ptr: int, length: int, device: int | None = None, remote_read: bool = False
     ) -> tuple[int, MrDescriptor]: ...
     def alloc_uvm_watcher(self, callback: Callable[[int, int], None], device: int = 0) -> UvmWatcher: ...
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag: ...
@@ -109,6 +111,30 @@ class TransferEngine:
         dst_stride: int,
         dst_offset: int,
         imm: int | None,
+        callback: _OnDone,
+    ) -> None: ...
+    def submit_read(
+        self,
+        src: MrDescriptor,
+        src_offset: int,
+        length: int,
+        dst: int,
+        dst_offset: int,
+        callback: _OnDone,
+        domain: int | None = None,
+        shard_domains: int = ...,
+    ) -> None: ...
+    def submit_paged_reads(
+        self,
+        page_len: int,
+        src: MrDescriptor,
+        src_pages: bytes | Sequence[int],
+        src_stride: int,
+        src_offset: int,
+        dst: int,
+        dst_pages: bytes | Sequence[int],
+        dst_stride: int,
+        dst_offset: int,
         callback: _OnDone,
     ) -> None: ...
     def submit_imm(self, imm: int, dst: MrDescriptor, callback: _OnDone) -> None: ...

@@ -2,7 +2,7 @@
 //! GPU regions through CUDA IPC for same-host peers.
 use std::sync::atomic::Ordering;
 
-use super::{MrHandle, RegionInfo, TransferEngine};
+use super::{MrHandle, RegionInfo, RegisterOptions, TransferEngine};
 use crate::commands::Command;
 use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 use crate::error::{FabricError, Result};
@@ -19,6 +19,23 @@ impl TransferEngine {
         len: usize,
         kind: MemoryKind,
     ) -> Result<(MrHandle, MrDescriptor)> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.register_memory_with(ptr, len, kind, RegisterOptions::default()) }
+    }
+
+    /// [`TransferEngine::register_memory`] with options: `remote_read` lets peers read the
+    /// region as well (see [`RegisterOptions`]).
+    ///
+    /// # Safety
+    /// As for [`TransferEngine::register_memory`].
+    pub unsafe fn register_memory_with(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+        options: RegisterOptions,
+    ) -> Result<(MrHandle, MrDescriptor)> {
+        let remote_read = options.remote_read;
         if ptr.is_null() {
             return Err(FabricError::InvalidArgument("cannot register a null pointer".into()));
         }
@@ -29,12 +46,19 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("region extent overflows the address space".into()));
         }
         if let MemoryKind::Cuda(device) = kind {
-            return self.register_cuda(ptr as u64, len, device);
+            return self.register_cuda(ptr as u64, len, device, remote_read);
         }
         crate::host_memory::check_host_range(ptr as u64, len as u64)?;
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
-        let registered =
-            self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: true, reply })?;
+        let registered = self.request(|reply| Command::Register {
+            region,
+            ptr: ptr as usize,
+            len,
+            kind,
+            network: true,
+            remote_read,
+            reply,
+        })?;
         self.regions.write().insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind, network: true });
         let descriptor = MrDescriptor {
             base: ptr as u64,
@@ -43,6 +67,7 @@ impl TransferEngine {
             owner: self.address.clone(),
             keys: self.domain_keys(&registered),
             cuda: None,
+            remote_read,
         };
         Ok((MrHandle(region), descriptor))
     }
@@ -51,7 +76,7 @@ impl TransferEngine {
     /// provider has FI_HMEM, registered with the NIC as well (the descriptor then carries keys
     /// and the region is network-reachable). Without FI_HMEM the network cannot reach it: network
     /// writes from or to it fail with [`TransferEngine::gpu_network_error`].
-    fn register_cuda(&self, ptr: u64, len: usize, device: u32) -> Result<(MrHandle, MrDescriptor)> {
+    fn register_cuda(&self, ptr: u64, len: usize, device: u32, remote_read: bool) -> Result<(MrHandle, MrDescriptor)> {
         match crate::gpu::detect_memory_kind(ptr) {
             MemoryKind::Cuda(d) if d == device => {}
             MemoryKind::Cuda(d) => {
@@ -81,8 +106,17 @@ impl TransferEngine {
         }
         let kind = MemoryKind::Cuda(device);
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
-        let register =
-            |network| self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network, reply });
+        let register = |network| {
+            self.request(|reply| Command::Register {
+                region,
+                ptr: ptr as usize,
+                len,
+                kind,
+                network,
+                remote_read,
+                reply,
+            })
+        };
         let keys = if self.hmem {
             register(true).or_else(|e| {
                 tracing::info!("GPU memory at {ptr:#x} not registered with the NIC ({e}); same-host peers only");
@@ -103,6 +137,7 @@ impl TransferEngine {
                 offset: export.offset,
                 alloc_len: export.alloc_len as u64,
             }),
+            remote_read,
         };
         Ok((MrHandle(region), descriptor))
     }

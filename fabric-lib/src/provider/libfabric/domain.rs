@@ -69,8 +69,8 @@ pub enum Posted {
 
 /// One libfabric domain with its endpoint, owned by a single thread.
 pub struct LibfabricDomain {
-    info: FabricInfo,
-    fids: Rc<DomainFids>,
+    pub(super) info: FabricInfo,
+    pub(super) fids: Rc<DomainFids>,
     address: Vec<u8>,
     peers: HashMap<Vec<u8>, sys::fi_addr_t>,
     entries: Vec<sys::fi_cq_data_entry>,
@@ -184,14 +184,14 @@ impl LibfabricDomain {
 
     /// Registers CUDA memory of `device` (FI_HMEM domains only): the provider moves it without
     /// staging through host memory.
-    pub fn register_cuda(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+    pub fn register_cuda(&mut self, ptr: *mut u8, len: usize, device: u32, access: Access) -> Result<LocalMr> {
         if !self.has_hmem() {
             return Err(FabricError::ProviderUnavailable(format!(
                 "provider '{}' was opened without FI_HMEM: it cannot register GPU memory",
                 self.provider_name()
             )));
         }
-        self.register_on(ptr, len, Access::RemoteWrite, Some(device))
+        self.register_on(ptr, len, access, Some(device))
     }
 
     fn register_on(&mut self, ptr: *mut u8, len: usize, access: Access, cuda: Option<u32>) -> Result<LocalMr> {
@@ -241,7 +241,7 @@ impl LibfabricDomain {
         self.peers.get(address).copied()
     }
 
-    fn posted(call: &'static str, ret: isize) -> Result<Posted> {
+    pub(super) fn posted(call: &'static str, ret: isize) -> Result<Posted> {
         match ret {
             0 => Ok(Posted::Ok),
             r if r == -(sys::FI_EAGAIN as isize) => Ok(Posted::Again),

@@ -6,6 +6,7 @@ mod endpoint;
 mod error;
 mod info;
 mod mr;
+mod read;
 
 pub use context::{OpContext, OpKind};
 pub use domain::{Completion, LibfabricDomain, Posted, CQ_BATCH};
