@@ -12,7 +12,9 @@
 //! - single-write throughput per size, `window` writes in flight ([`throughput`]);
 //! - the rate of small writes with immediates, verified by the server counting them;
 //! - immediate round-trip latency, p50/p99 ([`latency`]);
-//! - paged-write sweeps, page sizes × page counts, per domain and in total ([`paged`]).
+//! - paged-write sweeps, page sizes × page counts, per domain and in total ([`paged`]);
+//! - single-read throughput per size, `window` reads in flight ([`reads`]; the server's buffer
+//!   is registered readable for it).
 //!
 //! Each measurement is the median of several timed repetitions after a warm-up. Output is a
 //! table, or one JSON object with `--json` ([`report`]). Bad input and failures end the process
@@ -24,6 +26,7 @@ mod error;
 mod latency;
 mod paged;
 mod progress;
+mod reads;
 mod report;
 mod run_info;
 mod server;

@@ -37,7 +37,8 @@ pub struct ServerArgs {
 
 /// Runs one client session, then returns.
 pub fn run(args: &ServerArgs) -> Result<()> {
-    let ep = Endpoint::open(&args.engine, args.buffer_size as usize)?;
+    // Readable: clients measure reads from it (the read test).
+    let ep = Endpoint::open(&args.engine, args.buffer_size as usize, true)?;
     let listener = TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     let bound = listener.local_addr().context("reading the listening address")?;
     println!("READY {bound} provider={} domain={}", ep.engine.provider(), ep.engine.domain_names().join(","));
