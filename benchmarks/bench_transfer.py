@@ -251,7 +251,12 @@ def compare(
             raw = combine(raw_rounds, size_pick(size, "gbytes_per_s", series))
             fab = combine(fab_rounds, size_pick(size, "gbytes_per_s", series))
             rows.append(
-                {"size": size, "raw_gbytes_per_s": raw, "fabric_lib_gbytes_per_s": fab, "ratio": ratio(raw, fab)}
+                {
+                    "size": size,
+                    "raw_gbytes_per_s": raw,
+                    "fabric_lib_gbytes_per_s": fab,
+                    "ratio": ratio(raw, fab),
+                }
             )
         return rows
 

@@ -85,9 +85,9 @@ impl PyTransferEngine {
             Some(d) if d < 0 => MemoryKind::Host,
             Some(d) => MemoryKind::Cuda(u32::try_from(d).map_err(|_| invalid(py, format!("device {d} out of range")))?),
         };
+        let options = RegisterOptions { remote_read };
         // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
         // registration exists; raw-pointer callers accept that contract in the docs.
-        let options = RegisterOptions { remote_read };
         let (handle, desc) =
             py.detach(|| unsafe { self.engine.register_memory_with(ptr as *mut u8, length, kind, options) }).py(py)?;
         Ok((handle.0, PyMrDescriptor(desc)))

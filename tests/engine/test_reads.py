@@ -31,7 +31,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 
 
 @pytest.fixture(scope="module")
-def regions(pair: Pair) -> Iterator[tuple[np.ndarray, fabric_lib.MemoryRegion, np.ndarray, fabric_lib.MemoryRegion]]:
+def regions(
+    pair: Pair,
+) -> Iterator[tuple[np.ndarray, fabric_lib.MemoryRegion, np.ndarray, fabric_lib.MemoryRegion]]:
     """The owner's readable region (random bytes) and the reader's local region."""
     a, b = pair
     remote = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
@@ -43,7 +45,9 @@ def regions(pair: Pair) -> Iterator[tuple[np.ndarray, fabric_lib.MemoryRegion, n
     b.unregister_memory(r_remote)
 
 
-_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @_SETTINGS
@@ -73,7 +77,9 @@ def test_reads_are_byte_exact(pair: Pair, regions, length: int, src_frac: float,
     dst_extra=st.integers(0, 50),
     order=st.randoms(use_true_random=False),
 )
-def test_paged_reads_are_byte_exact(pair: Pair, regions, page_len, pages, src_extra, dst_extra, order) -> None:
+def test_paged_reads_are_byte_exact(
+    pair: Pair, regions, page_len, pages, src_extra, dst_extra, order
+) -> None:
     a, _ = pair
     remote, r_remote, local, r_local = regions
     src_stride, dst_stride = page_len + src_extra, page_len + dst_extra
@@ -145,7 +151,7 @@ def test_bad_reads_are_typed_errors_and_read_nothing(pair: Pair) -> None:
         with pytest.raises(InvalidArgumentError):
             a.submit_paged_reads(1024, readable.descriptor, [0], local, [4])
         with pytest.raises(InvalidArgumentError):  # a descriptor is not a local region
-            a.submit_read(readable.descriptor, readable.descriptor, 8)  # type: ignore[arg-type]
+            a.submit_read(readable.descriptor, readable.descriptor, 8)  # type: ignore[call-overload]
         with pytest.raises(InvalidDescriptorError):
             a.submit_read(b"not a descriptor", local, 8)
         stale = b.register_memory(peer.ctypes.data, 4096, peer, remote_read=True)

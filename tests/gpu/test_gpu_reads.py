@@ -137,9 +137,9 @@ def owner_descriptors(owner: _Owner) -> tuple[bytes, bytes]:
 def test_reads_from_another_process_on_this_host() -> None:
     """The owner process's GPU memory through CUDA IPC, its host memory through process_vm_readv."""
     device = 1 if NGPU > 1 else 0
-    with spawn_ranks(1, setup=open_owner, setup_kwargs={"device": device}, teardown=stop_owner, timeout=120) as (
-        owner,
-    ):
+    with spawn_ranks(
+        1, setup=open_owner, setup_kwargs={"device": device}, teardown=stop_owner, timeout=120
+    ) as (owner,):
         gpu_desc, host_desc = (fabric_lib.MrDescriptor.from_bytes(b) for b in owner.call(owner_descriptors))
         src_gpu = _rand_bytes(NBYTES, "cpu", 3)
         src_host = _rand_bytes(NBYTES, "cpu", 4)

@@ -55,7 +55,9 @@ def test_reads_from_another_process_are_byte_exact(owner: Peer) -> None:
         pages = [9, 3, 200, 0, 77]
         e.submit_paged_reads(4096, desc, pages, region, [0, 1, 2, 3, 4], src_offset=1).result(timeout=30)
         for i, p in enumerate(pages):
-            assert np.array_equal(local[i * 4096 : (i + 1) * 4096], expected[p * 4096 + 1 : (p + 1) * 4096 + 1])
+            assert np.array_equal(
+                local[i * 4096 : (i + 1) * 4096], expected[p * 4096 + 1 : (p + 1) * 4096 + 1]
+            )
         assert not local[5 * 4096 :].any()
 
         write_only = fabric_lib.MrDescriptor.from_bytes(owner.call(expose, seed=12, remote_read=False))
