@@ -52,6 +52,16 @@ pub(crate) struct SameHostRead {
     pub on_done: Notify,
 }
 
+/// A validated request (a `Transfer`, `SameHost` or `Send` command) that the worker posts
+/// itself once `count` arrivals of immediate `imm` were counted (see `worker::triggers`).
+pub(crate) struct ArmCommand {
+    pub imm: u32,
+    pub count: u64,
+    /// Fails the request with a timeout if the count is not reached by then.
+    pub timeout: Option<std::time::Duration>,
+    pub request: Box<Command>,
+}
+
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
     pub peer: Vec<u8>,
@@ -82,6 +92,7 @@ pub(crate) enum Command {
     SameHost(SameHostTransfer),
     SameHostRead(SameHostRead),
     Send(SendCommand),
+    Arm(ArmCommand),
     SetRecvCallback(Option<RecvCallback>),
     /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
     Readmit {
@@ -111,6 +122,7 @@ impl Command {
             Command::Readmit { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
+            Command::Arm(armed) => return armed.request.into_stopped(),
             Command::SetRecvCallback(_) | Command::Stop => {}
         }
         None

@@ -35,7 +35,7 @@ pub use completion::OnDone;
 pub use config::{EngineConfig, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
-pub use engine::{DomainStats, MrHandle, RegisterOptions, TransferEngine};
+pub use engine::{DomainStats, MrHandle, RegisterOptions, TransferEngine, Trigger};
 pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};

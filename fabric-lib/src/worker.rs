@@ -30,6 +30,7 @@ use crate::sharding::DeferredImm;
 const UNDELIVERED_LIMIT: usize = 4096;
 
 mod reads;
+mod triggers;
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -225,6 +226,8 @@ struct Worker {
     /// Peers (by their first domain's endpoint) that a request timed out on: nothing is sent
     /// to them until the application re-admits them.
     fenced: HashSet<Vec<u8>>,
+    /// Requests armed to be posted when an immediate count is reached.
+    triggers: triggers::Triggers,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -284,6 +287,7 @@ impl Worker {
             exited: Arc::new(AtomicBool::new(false)),
             delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
             fenced: HashSet::new(),
+            triggers: HashMap::new(),
             domains,
         })
     }
@@ -310,6 +314,7 @@ impl Worker {
             iterations = iterations.wrapping_add(1);
             if iterations.is_multiple_of(256) || !active {
                 self.expire_requests();
+                self.expire_triggers();
             }
             if active {
                 last_active = Instant::now();
@@ -380,6 +385,7 @@ impl Worker {
             Command::SameHostRead(t) => self.start_same_host_read(t),
             Command::SameHost(t) => self.start_same_host(t),
             Command::Send(cmd) => self.start_send(cmd),
+            Command::Arm(armed) => self.arm(armed),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
                 if let Some(cb) = self.recv_callback.clone() {
@@ -785,9 +791,12 @@ impl Worker {
             self.same_host_done = done;
         }
         if !self.imm_batch.is_empty() {
-            let batch: Vec<(u32, u32)> = self.imm_batch.drain().collect();
-            let events = self.imm.add_batch(&batch);
-            self.callbacks.push_imm_events(events);
+            let arrivals: Vec<(u32, u32)> = self.imm_batch.drain().collect();
+            let batch = self.feed_triggers(arrivals);
+            if !batch.is_empty() {
+                let events = self.imm.add_batch(&batch);
+                self.callbacks.push_imm_events(events);
+            }
         }
         self.flush_done();
         active
@@ -994,6 +1003,7 @@ impl Worker {
         for req in requests {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }
+        self.fail_triggers();
         self.waiting_sends.clear();
         while let Ok(cmd) = self.rx.try_recv() {
             if let Some(on_done) = cmd.into_stopped() {

@@ -275,4 +275,7 @@ mod reads;
 mod routing;
 mod scatter;
 mod signals;
+mod triggers;
 mod writes;
+
+pub use triggers::Trigger;
