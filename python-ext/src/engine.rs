@@ -3,7 +3,7 @@
 
 use fabric_lib::{
     DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedReadRequest, PagedWriteRequest, PeerGroup, ProviderSpec,
-    ReadRequest, RegisterOptions, ScatterSharding, ScatterTarget, TransferEngine, WriteRequest,
+    ReadRequest, RegisterOptions, ScatterSharding, ScatterTarget, TransferEngine, Trigger, WriteRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -25,6 +25,12 @@ fn page_indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
     }
     obj.extract::<Vec<u32>>()
+}
+
+/// A trigger from Python: (immediate, count, timeout in seconds or None).
+fn trigger(py: Python<'_>, (imm, count, timeout): (u32, u64, Option<f64>)) -> PyResult<Trigger> {
+    let timeout = timeout.map(|t| seconds(py, t, "after_timeout")).transpose()?;
+    Ok(Trigger { imm, count, timeout })
 }
 
 /// Native engine; use `fabric_lib.TransferEngine`, which wraps it.
@@ -146,6 +152,76 @@ impl PyTransferEngine {
         let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_write(&req, on_done)).py(py)
+    }
+
+    /// `submit_write` posted by the worker once `after` = (imm, count, timeout) is reached.
+    #[pyo3(signature = (after, src, src_offset, length, dst, dst_offset, imm, callback, domain=None, shard_domains=usize::MAX))]
+    #[allow(clippy::too_many_arguments)]
+    fn arm_write(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        src: u64,
+        src_offset: u64,
+        length: u64,
+        dst: PyRef<'_, PyMrDescriptor>,
+        dst_offset: u64,
+        imm: Option<u32>,
+        callback: Py<PyAny>,
+        domain: Option<usize>,
+        shard_domains: usize,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let dst = &dst.0;
+        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_write(when, &req, on_done)).py(py)
+    }
+
+    /// `submit_imm` posted by the worker once `after` is reached.
+    fn arm_imm(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        imm: u32,
+        dst: PyRef<'_, PyMrDescriptor>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let dst = &dst.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_imm(when, imm, dst, on_done)).py(py)
+    }
+
+    /// `submit_imm_to` posted by the worker once `after` is reached.
+    fn arm_imm_to(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        imm: u32,
+        peer: PyRef<'_, PyEngineAddress>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let peer = &peer.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_imm_to(when, imm, peer, on_done)).py(py)
+    }
+
+    /// `submit_send` posted by the worker once `after` is reached.
+    fn arm_send(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        peer: PyRef<'_, PyEngineAddress>,
+        data: Vec<u8>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let peer = &peer.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_send(when, peer, data, on_done)).py(py)
     }
 
     fn submit_imm(

@@ -137,6 +137,28 @@ class TransferEngine:
         dst_offset: int,
         callback: _OnDone,
     ) -> None: ...
+    def arm_write(
+        self,
+        after: tuple[int, int, float | None],
+        src: int,
+        src_offset: int,
+        length: int,
+        dst: MrDescriptor,
+        dst_offset: int,
+        imm: int | None,
+        callback: _OnDone,
+        domain: int | None = None,
+        shard_domains: int = ...,
+    ) -> None: ...
+    def arm_imm(
+        self, after: tuple[int, int, float | None], imm: int, dst: MrDescriptor, callback: _OnDone
+    ) -> None: ...
+    def arm_imm_to(
+        self, after: tuple[int, int, float | None], imm: int, peer: EngineAddress, callback: _OnDone
+    ) -> None: ...
+    def arm_send(
+        self, after: tuple[int, int, float | None], peer: EngineAddress, data: bytes, callback: _OnDone
+    ) -> None: ...
     def submit_imm(self, imm: int, dst: MrDescriptor, callback: _OnDone) -> None: ...
     def submit_imm_to(self, imm: int, peer: EngineAddress, callback: _OnDone) -> None: ...
     def add_peer_group(self, peers: Sequence[EngineAddress]) -> int: ...

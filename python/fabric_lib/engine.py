@@ -13,6 +13,7 @@ import ctypes
 import threading
 import weakref
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Callable, Literal, Sequence, overload
 
 from . import _fork, _rust
@@ -128,6 +129,24 @@ def _check_non_negative(**values: int) -> None:
     for name, value in values.items():
         if value < 0:
             raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
+
+
+def _trigger(
+    after_imm: tuple[int, int] | None, after_timeout: float | None
+) -> tuple[int, int, float | None] | None:
+    """The native trigger for ``after_imm=(imm, count)``, or None to post at once."""
+    if after_imm is None:
+        if after_timeout is not None:
+            raise InvalidArgumentError("after_timeout needs after_imm=(imm, count)")
+        return None
+    try:
+        imm, count = after_imm
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"after_imm must be an (imm, count) pair, not {after_imm!r}") from None
+    _check_imm(imm)
+    if not isinstance(count, int) or count < 1:
+        raise InvalidArgumentError(f"after_imm count must be a positive int, got {count!r}")
+    return (imm, count, after_timeout)
 
 
 def _page_list(pages: Any) -> bytes:
@@ -389,6 +408,8 @@ class TransferEngine:
         imm: int | None = None,
         domain: int | None = None,
         shard_domains: int | None = None,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: None = None,
     ) -> Future[None]: ...
     @overload
@@ -403,6 +424,8 @@ class TransferEngine:
         imm: int | None = None,
         domain: int | None = None,
         shard_domains: int | None = None,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone,
     ) -> None: ...
     def submit_write(
@@ -416,6 +439,8 @@ class TransferEngine:
         imm: int | None = None,
         domain: int | None = None,
         shard_domains: int | None = None,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Writes ``length`` bytes (default: all of ``src`` after ``src_offset``) into the peer
@@ -427,14 +452,23 @@ class TransferEngine:
 
         Large writes (≥ ``shard_min_bytes``) are sharded over up to ``shard_domains`` domains
         (default: all); ``domain`` pins the write to one domain instead.
+
+        With ``after_imm=(imm, count)`` the write is checked now and posted later by the engine's
+        worker itself, as soon as it has counted ``count`` arrivals of that immediate (arrivals
+        so far included; they are consumed and never reach ``ImmCounter``): a forwarding proxy
+        without a thread in between. ``after_timeout`` (seconds) fails it with
+        ``FabricTimeoutError`` if the count is not reached in time, returning the consumed
+        arrivals to the counter.
         """
         src = _as_region(src)
         if length is None:
             length = src.length - src_offset
         _check_imm(imm)
         _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
+        after = _trigger(after_imm, after_timeout)
         future, callback = self._completion(on_done)
-        self._native.submit_write(
+        native = self._native.submit_write if after is None else partial(self._native.arm_write, after)
+        native(
             src.handle,
             src_offset,
             length,
@@ -741,6 +775,8 @@ class TransferEngine:
         imm: int,
         dst: Destination | EngineAddress,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: None = None,
     ) -> Future[None]: ...
     @overload
@@ -749,6 +785,8 @@ class TransferEngine:
         imm: int,
         dst: Destination | EngineAddress,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone,
     ) -> None: ...
     def submit_imm(
@@ -756,18 +794,29 @@ class TransferEngine:
         imm: int,
         dst: Destination | EngineAddress,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Sends only an immediate: a zero-byte write into ``dst``'s region, or into the peer
-        engine's own immediate slot when ``dst`` is an EngineAddress."""
+        engine's own immediate slot when ``dst`` is an EngineAddress. ``after_imm`` and
+        ``after_timeout``: posted by the worker once an immediate count is reached, as for
+        ``submit_write`` (an echo answering each ping: one ``submit_imm(pong, peer,
+        after_imm=(ping, 1))`` per expected ping)."""
         _check_imm(imm)
         if imm is None:
             raise InvalidArgumentError("imm is required")
+        after = _trigger(after_imm, after_timeout)
         future, callback = self._completion(on_done)
         if isinstance(dst, EngineAddress):
-            self._native.submit_imm_to(imm, dst, callback)
-        else:
+            if after is None:
+                self._native.submit_imm_to(imm, dst, callback)
+            else:
+                self._native.arm_imm_to(after, imm, dst, callback)
+        elif after is None:
             self._native.submit_imm(imm, _as_descriptor(dst), callback)
+        else:
+            self._native.arm_imm(after, imm, _as_descriptor(dst), callback)
         return future
 
     # -- two-sided --------------------------------------------------------------------------
@@ -777,6 +826,8 @@ class TransferEngine:
         peer: Peer,
         data: bytes,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: None = None,
     ) -> Future[None]: ...
     @overload
@@ -785,6 +836,8 @@ class TransferEngine:
         peer: Peer,
         data: bytes,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone,
     ) -> None: ...
     def submit_send(
@@ -792,11 +845,19 @@ class TransferEngine:
         peer: Peer,
         data: bytes,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
-        """Sends a small message (≤ ``max_message_size`` bytes) to ``peer``'s receive callback."""
+        """Sends a small message (≤ ``max_message_size`` bytes) to ``peer``'s receive callback.
+        ``after_imm`` and ``after_timeout``: posted by the worker once an immediate count is
+        reached, as for ``submit_write``."""
+        after = _trigger(after_imm, after_timeout)
         future, callback = self._completion(on_done)
-        self._native.submit_send(_as_address(peer), bytes(data), callback)
+        if after is None:
+            self._native.submit_send(_as_address(peer), bytes(data), callback)
+        else:
+            self._native.arm_send(after, _as_address(peer), bytes(data), callback)
         return future
 
     def readmit_peer(self, peer: EngineAddress | bytes) -> bool:

@@ -33,7 +33,7 @@ impl TransferEngine {
         self.command(self.plan_imm_to_targets(imm, targets, Notify::Callback(on_done)))
     }
 
-    fn plan_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: Notify) -> Command {
+    pub(super) fn plan_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: Notify) -> Command {
         let n = self.num_domains();
         let start = self.rotate(targets.len());
         let mut shards: Vec<Shard> = (0..targets.len())

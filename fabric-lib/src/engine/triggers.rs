@@ -36,6 +36,12 @@ impl TransferEngine {
         self.arm(when, self.plan_imm(imm, dst, Notify::Callback(on_done))?)
     }
 
+    /// Arms an immediate into `peer`'s immediate slot (as [`TransferEngine::submit_imm_to`]).
+    pub fn arm_imm_to(&self, when: Trigger, imm: u32, peer: &EngineAddress, on_done: OnDone) -> Result<()> {
+        let target = self.engine_target(peer)?;
+        self.arm(when, self.plan_imm_to_targets(imm, vec![target], Notify::Callback(on_done)))
+    }
+
     /// Arms a message to `peer` (as [`TransferEngine::submit_send`]).
     pub fn arm_send(&self, when: Trigger, peer: &EngineAddress, data: Vec<u8>, on_done: OnDone) -> Result<()> {
         self.arm(when, self.plan_send(peer, data, Notify::Callback(on_done))?)
