@@ -268,7 +268,7 @@ fn sockets_forged_reads_bring_nothing_home() {
 }
 
 #[test]
-fn a_read_from_a_dead_peer_times_out_and_fences_it() {
+fn a_read_from_a_stopped_peer_fails_typed_and_fences_on_timeout() {
     let a = engine("tcp").unwrap();
     let b = engine("tcp").unwrap();
     let mut remote = vec![7u8; REGION];
@@ -287,4 +287,27 @@ fn a_read_from_a_dead_peer_times_out_and_fences_it() {
     }
     // A region with a read in flight cannot be unregistered; once settled it can.
     a.unregister_memory(h).unwrap();
+}
+
+#[test]
+fn large_reads_are_sharded_over_every_domain() {
+    let open = || {
+        TransferEngine::new(EngineConfig {
+            provider: ProviderSpec::new(Some("tcp"), &["lo", "lo"]),
+            poll_mode: PollMode::ADAPTIVE,
+            shard_min_bytes: 0,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let (a, b) = (open(), open());
+    let mut remote = pattern(1 << 20, 9);
+    let (_, desc) = register(&b, &mut remote, true);
+    let mut local = vec![0u8; 1 << 20];
+    let (h, _) = register(&a, &mut local, false);
+    read(&a, &desc, 0, 1 << 20, h, 0).unwrap();
+    assert!(local == remote);
+    let stats = a.domain_stats();
+    assert!(stats.iter().all(|s| s.ops > 0 && s.bytes > 0), "every domain carried part of the read: {stats:?}");
+    assert_eq!(stats.iter().map(|s| s.bytes).sum::<u64>(), 1 << 20);
 }
