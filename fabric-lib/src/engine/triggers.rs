@@ -13,7 +13,8 @@ use crate::error::{FabricError, Result};
 use crate::requests::WriteRequest;
 
 /// When a triggered request is posted: once `count` arrivals of immediate `imm` were counted
-/// (arrivals before arming included). The trigger consumes those arrivals: they never reach the
+/// (arrivals before arming included, unless a generic immediate callback took them because
+/// nobody claimed the value). The trigger consumes those arrivals: they never reach the
 /// ImmCounter. With `timeout`, a trigger not reached in time fails its request with
 /// [`FabricError::Timeout`] and returns the arrivals it had consumed to the ImmCounter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
