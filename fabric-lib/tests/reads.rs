@@ -73,6 +73,8 @@ fn reads_are_byte_exact(provider: &str) {
         assert_eq!(&local[d..d + l], &remote[s..s + l], "{provider}: bytes of a {len}-byte read");
         assert!(local[..d].iter().chain(&local[d + l..]).all(|&x| x == 0), "{provider}: bytes outside the range");
     }
+    // A zero-byte read posts nothing and completes.
+    read(&reader, &desc, 64 * 1024, 0, h, 0).unwrap_or_else(|e| panic!("{provider} empty read: {e}"));
     // Paged: pages in any order, strides and offsets on both sides.
     local.fill(0);
     let src_pages = [5u32, 0, 3, 7];
