@@ -17,6 +17,7 @@ pub mod descriptor;
 mod domain_state;
 mod encoding;
 pub mod engine;
+mod epoch;
 pub mod error;
 pub mod gpu;
 mod host_memory;
@@ -25,6 +26,7 @@ mod msg_buffers;
 pub mod provider;
 mod requests;
 pub mod sharding;
+pub mod staging;
 pub mod topology;
 mod worker;
 
@@ -32,14 +34,15 @@ pub use address::{DomainAddress, EngineAddress};
 pub use commands::RecvCallback;
 pub use completion::CompletionCounter;
 pub use completion::OnDone;
-pub use config::{EngineConfig, PollMode, WriteCompletion};
+pub use config::{EngineConfig, GpuRegistration, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
 pub use engine::{DomainStats, MrHandle, RegisterOptions, TransferEngine, Trigger};
+pub use epoch::Readmission;
 pub use error::{FabricError, Result};
-pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback};
+pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
-pub use provider::libfabric::{list_providers, DomainSpec, ProviderSpec};
+pub use provider::libfabric::{list_providers, DomainSpec, NicRegistration, ProviderSpec};
 pub use requests::{
     PagedReadRequest, PagedWriteRequest, PeerGroup, ReadRequest, ScatterSharding, ScatterTarget, WriteRequest,
 };

@@ -84,7 +84,7 @@ def test_reads_from_a_stopped_owner_time_out_and_fence_it() -> None:
                 assert time.monotonic() - t < 1.0, "a fenced peer fails at once"
             finally:
                 os.kill(owner.pid, signal.SIGCONT)
-            assert e.readmit_peer(desc.owner) is True
+            assert e.readmit_peer(desc.owner).fenced
             local[:] = 0
             e.submit_read(desc, region).result(timeout=10)
             assert np.array_equal(local, cached_pattern(3, SIZE))
