@@ -20,6 +20,7 @@ Shapes must split evenly for ``"shard"`` and for the outer level (what TP and EP
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,6 +132,14 @@ class Placement:
                     out.append(Piece(rank, box, flat=(min(i * per, numel), min((i + 1) * per, numel)), padded=per))
         return out
 
+    def piece_of(self, shape: Sequence[int], rank: int, what: str = "tensor") -> Piece | None:
+        """``rank``'s piece, or None when the placement gives it nothing (cached)."""
+        try:
+            return _pieces_by_rank(self, tuple(shape)).get(rank)
+        except ScheduleError:
+            self.pieces(shape, what)  # the same error, naming the tensor
+            raise
+
     def local_shape(self, piece: Piece) -> tuple[int, ...]:
         """The shape of the tensor a rank holds for ``piece`` (unpadded)."""
         if piece.flat is not None:
@@ -150,6 +159,11 @@ class Placement:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Placement:
         return cls(tuple(tuple(int(r) for r in g) for g in d["groups"]), d.get("outer_dim"), d["inner"], int(d["dim"]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces_by_rank(placement: Placement, shape: tuple[int, ...]) -> dict[int, Piece]:
+    return {p.rank: p for p in placement.pieces(shape)}
 
 
 def _ranks(ranks: Sequence[int]) -> tuple[int, ...]:

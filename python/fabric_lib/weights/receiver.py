@@ -125,9 +125,20 @@ class WeightReceiver:
             ) from None
         finally:
             counter.close()
+        self._settle_devices()
         with self._lock:
             self.version = version
             self.intact = True
+
+    def _settle_devices(self) -> None:
+        """GPU parameters: waits for copies the provider queued on this process's devices (shm's
+        CUDA IPC path counts the immediate before its copy finished; docs/gpu.md)."""
+        devices = {t.device for t in self.params.values() if getattr(t.device, "type", "cpu") == "cuda"}
+        if devices:
+            import torch
+
+            for device in devices:
+                torch.cuda.synchronize(device)
 
     def close(self) -> None:
         """Unregisters the parameters (no update may be in flight)."""

@@ -264,10 +264,10 @@ def _local_layout(
         src = sources[name]
         if not 0 <= t.fuse_dim < len(src.shape):
             raise ScheduleError(f"target {t.name}: fuse_dim {t.fuse_dim} does not exist in {name}{list(src.shape)}")
-        pieces = [p for p in t.placement.pieces(src.shape, f"target {t.name} part {name}") if p.rank == rank]
-        if len(pieces) != 1:
+        piece = t.placement.piece_of(src.shape, rank, f"target {t.name} part {name}")
+        if piece is None:
             raise ScheduleError(f"target {t.name}: inference rank {rank} is not in its placement")
-        box = pieces[0].box
+        box = piece.box
         ext = list(box_shape(box))
         if shape is None:
             shape = ext
@@ -296,9 +296,10 @@ def _units(sources: Sequence[SourceParam], num_trainers: int) -> list[Unit]:
             if pl.inner == "replicate":
                 units.append(Unit(len(units), s.name, box, tuple(sorted(group)), None, ()))
             elif pl.inner == "shard":
-                for piece in pl.pieces(s.shape, s.name):
-                    if piece.rank in group:
-                        units.append(Unit(len(units), s.name, piece.box, (piece.rank,), None, ()))
+                for rank in group:
+                    piece = pl.piece_of(s.shape, rank, s.name)
+                    assert piece is not None
+                    units.append(Unit(len(units), s.name, piece.box, (rank,), None, ()))
             else:
                 units.append(Unit(len(units), s.name, box, tuple(sorted(group)), pl.inner, tuple(group)))
     return units

@@ -32,6 +32,7 @@ from .layout import DTYPE_SIZES, Box, box_numel, box_runs, box_shape
 from .manifest import Manifest
 from .receiver import DEFAULT_IMM_BASE, update_imm
 from .schedule import Schedule, Unit, Write
+from .prefetch import Prefetcher
 from .staging import StagingPool
 from .transforms import gather_unit, quantize_fp8_blocks, slice_box, torch_dtype
 
@@ -122,6 +123,8 @@ class WeightSender:
         device: where gathering, packing and quantizing happen, and where the staging memory
             lives (default: the device of the parameters, else CPU).
         staging_bytes: staging memory: the watermark on packed data in flight.
+        prefetch_bytes: the watermark on units gathered ahead of the one being packed (default:
+            ``staging_bytes``); a unit larger than it is gathered alone.
         barrier_timeout: seconds a barrier waits for the other trainers.
         gather_timeout: the timeout of the gather groups' collectives.
         profile: synchronize the device after each stage so stage times include GPU work.
@@ -138,6 +141,7 @@ class WeightSender:
         group: Any = None,
         device: Any = None,
         staging_bytes: int = 256 << 20,
+        prefetch_bytes: int | None = None,
         imm_base: int = DEFAULT_IMM_BASE,
         barrier_imm_base: int = DEFAULT_BARRIER_IMM_BASE,
         barrier_timeout: float = 30.0,
@@ -189,6 +193,7 @@ class WeightSender:
                 "raise it or build the schedule with a smaller max_write_bytes"
             )
         self.pool = StagingPool(engine, staging_bytes, self.device)
+        self.prefetch_bytes = staging_bytes if prefetch_bytes is None else prefetch_bytes
 
         # torch.distributed: gather groups (created by their members only) and trainer addresses.
         self._group = group
@@ -257,13 +262,19 @@ class WeightSender:
         imm = update_imm(self.imm_base, version)
         inflight = _Inflight(self.pool)
         self.pool.peak = 0
+        work = [u for u in self._units if self._gathers(u) or self._mine.get(u.index)]
+        group_units: dict[int, list[Unit]] = defaultdict(list)
+        for u in work:
+            group_units[u.param_group].append(u)
+        prefetch = Prefetcher(work, lambda u: self._unit_tensor(u, stats), self._unit_bytes, self.prefetch_bytes)
         try:
-            group_units: dict[int, list[Unit]] = defaultdict(list)
-            for u in self._units:
-                group_units[u.param_group].append(u)
             for g in range(self.schedule.num_groups):
                 for unit in group_units.get(g, []):
-                    self._run_unit(unit, imm, inflight, stats, deadline)
+                    got, data = prefetch.get(deadline)
+                    assert got is unit
+                    self._run_unit(unit, data, imm, inflight, stats, deadline)
+                    del data
+                    prefetch.release(unit)
                 t0 = time.perf_counter()
                 inflight.wait_all(deadline)
                 self._barrier(g, deadline)
@@ -271,6 +282,7 @@ class WeightSender:
                 if on_group_done is not None:
                     on_group_done(g)
         finally:
+            prefetch.close()
             try:
                 inflight.wait_all(min(deadline, time.monotonic() + self.barrier_timeout))
             except FabricTimeoutError:
@@ -308,7 +320,8 @@ class WeightSender:
         if unit.gather is None:
             return local.reshape(box_shape(unit.box))
         t0 = time.perf_counter()
-        piece = next(p for p in src.placement.pieces(src.shape, src.name) if p.rank == self.rank)
+        piece = src.placement.piece_of(src.shape, self.rank, src.name)
+        assert piece is not None
         try:
             out = gather_unit(local, unit.gather, unit.box, len(unit.gather_group), piece.padded, self._pgs[unit.gather_group])
         except Exception as e:  # noqa: BLE001 - any collective failure means a trainer is gone
@@ -321,13 +334,16 @@ class WeightSender:
         self._timed(stats, "gather", t0)
         return out
 
-    def _run_unit(self, unit: Unit, imm: int, inflight: _Inflight, stats: UpdateStats, deadline: float) -> None:
-        writes = self._mine.get(unit.index, [])
-        gathers = unit.needed and unit.gather is not None and self.rank in unit.gather_group
-        if not writes and not gathers:
-            return
-        data = self._unit_tensor(unit, stats)
-        for w in writes:
+    def _gathers(self, unit: Unit) -> bool:
+        return unit.needed and unit.gather is not None and self.rank in unit.gather_group
+
+    def _unit_bytes(self, unit: Unit) -> int:
+        return box_numel(unit.box) * DTYPE_SIZES[self.schedule.sources[unit.source].dtype]
+
+    def _run_unit(
+        self, unit: Unit, data: Any, imm: int, inflight: _Inflight, stats: UpdateStats, deadline: float
+    ) -> None:
+        for w in self._mine.get(unit.index, []):
             if inflight.failed(w.rank):
                 stats.skipped += 1
                 continue

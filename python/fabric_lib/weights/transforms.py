@@ -78,4 +78,9 @@ def gather_unit(local: Any, kind: str, box: Box, group_size: int, padded: int, p
 def _all_gather(out: Any, inp: Any, pg: Any) -> None:
     import torch.distributed as dist
 
+    if inp.is_cuda and dist.get_backend(pg) == "gloo":  # gloo gathers host memory: stage through it
+        host = out.cpu()
+        dist.all_gather_into_tensor(host, inp.cpu(), group=pg)
+        out.copy_(host)
+        return
     dist.all_gather_into_tensor(out, inp, group=pg)
