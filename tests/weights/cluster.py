@@ -133,7 +133,14 @@ def mismatches(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
 # -- trainer ranks ------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, device: str = "cpu", provider: str = "tcp", force_network: bool = False) -> None:
+    def __init__(
+        self,
+        device: str = "cpu",
+        provider: str = "tcp",
+        force_network: bool = False,
+        config: dict[str, Any] = CONFIG,
+        backend: str = "gloo",
+    ) -> None:
         import fabric_lib
         import torch
         import torch.distributed as dist
@@ -141,16 +148,18 @@ class Trainer:
 
         torch.set_num_threads(1)
         info = this_rank()
+        self.device: Any = device
         if device == "cuda":
-            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        init_process_group("gloo", timeout=TIMEOUT)
+            index = info.local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        init_process_group(backend, timeout=TIMEOUT)
         self.rank = dist.get_rank()
-        self.device = device
         opts: dict[str, Any] = {"poll_mode": "adaptive", "transfer_timeout": TIMEOUT}
         if force_network:
             opts.update(gpu_network=True, force_network=True)
         self.engine = fabric_lib.TransferEngine(provider, **opts)
-        self.base = base_weights(device="cpu")
+        self.base = base_weights(config, device="cpu")
         self.senders: dict[str, Any] = {}  # one per variant (own immediates), sharing the engine
         self.params: dict[str, dict[str, Any]] = {}
 
@@ -222,7 +231,7 @@ def train_and_update(t: Trainer, variant: str, version: int, die_after_group: in
 
 # -- inference ranks ----------------------------------------------------------------------------
 class Inference:
-    def __init__(self, device: str = "cpu", provider: str = "tcp", force_network: bool = False) -> None:
+    def __init__(self, device: str = "cpu", provider: str = "tcp", force_network: bool = False, gpu_offset: int = 0) -> None:
         import fabric_lib
         import torch
         from fabric_lib.testing import this_rank
@@ -230,9 +239,11 @@ class Inference:
         torch.set_num_threads(1)
         info = this_rank()
         self.rank = info.rank
-        self.device = device
+        self.device: Any = device
         if device == "cuda":
-            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+            index = (info.local_rank + gpu_offset) % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         opts: dict[str, Any] = {"poll_mode": "adaptive", "transfer_timeout": TIMEOUT}
         if force_network:
             opts.update(gpu_network=True, force_network=True)
@@ -279,10 +290,6 @@ def wait_update(i: Inference, variant: str, version: int, timeout: float) -> dic
             "intact": receiver.intact,
             "version": receiver.version,
         }
-    if i.device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
     return {"version": receiver.version, "intact": receiver.intact}
 
 
@@ -300,3 +307,88 @@ def as_tensors(fetched: dict[str, tuple[str, Any]]) -> dict[str, Any]:
     import torch
 
     return {n: raw.view(getattr(torch, dtype)) for n, (dtype, raw) in fetched.items()}
+
+
+# -- the launcher's handle ----------------------------------------------------------------------
+class Cluster:
+    """Two trainer and ``tp`` inference processes; one sender and receiver per variant
+    (``variants``: name -> FP8 or not), each with its own immediates on the shared engines."""
+
+    def __init__(
+        self,
+        variants: dict[str, bool],
+        *,
+        config: dict[str, Any] = CONFIG,
+        tp: int = 2,
+        device: str = "cpu",
+        provider: str = "tcp",
+        force_network: bool = False,
+        backend: str = "gloo",
+        max_write_bytes: int = 256 << 10,
+        group_bytes: int = 2 << 20,
+        staging_bytes: int = 1 << 20,
+    ) -> None:
+        from fabric_lib.testing import gather, spawn_ranks
+        from fabric_lib.weights import build_schedule, dense_transformer
+
+        self.variants, self.config, self.tp = variants, config, tp
+        self.schedules = {}
+        for variant, fp8 in variants.items():
+            sources, targets = dense_transformer(
+                shapes(config), trainer_placement=trainer_placement(2), inference_groups=[list(range(tp))], fp8=fp8
+            )
+            self.schedules[variant] = build_schedule(
+                sources, targets, num_trainers=2, num_inference=tp, max_write_bytes=max_write_bytes,
+                group_bytes=group_bytes,
+            )  # fmt: skip
+        net = {"device": device, "provider": provider, "force_network": force_network}
+        self.inference = spawn_ranks(
+            tp, setup=open_inference, setup_kwargs={**net, "gpu_offset": 2}, teardown=close_inference,
+            names=[f"inf{r}" for r in range(tp)], timeout=180,
+        )  # fmt: skip
+        try:
+            self.trainers = spawn_ranks(
+                2, setup=open_trainer, setup_kwargs={**net, "config": config, "backend": backend},
+                teardown=close_trainer, names=["trainer0", "trainer1"], timeout=180,
+            )  # fmt: skip
+        except BaseException:
+            self.inference.close()
+            raise
+        try:
+            for index, (variant, sched) in enumerate(self.schedules.items()):
+                text = sched.to_json()
+                manifests = self.inference.call_all(make_receiver, variant, index, text)
+                gather(self.trainers.submit_all(make_sender, variant, index, text, manifests, staging_bytes), timeout=120)
+        except BaseException:
+            self.close()
+            raise
+        self.base = base_weights(config)
+
+    def update(
+        self, variant: str, version: int, die_after_group: dict[int, int] | None = None, wait: float = 30.0
+    ) -> tuple[list[Any], list[Any]]:
+        """A training step and update on every live trainer while every live inference rank waits."""
+        live_t = [t for t in self.trainers if t.exitcode is None and not t.broken]
+        live_i = [i for i in self.inference if i.exitcode is None and not i.broken]
+        sent = [t.submit(train_and_update, variant, version, (die_after_group or {}).get(t.rank)) for t in live_t]
+        waits = [i.submit(wait_update, variant, version, wait) for i in live_i]
+        results_i = [w.result(timeout=wait + 60) for w in waits]
+        results_t = []
+        for t, p in zip(live_t, sent, strict=True):
+            try:
+                results_t.append(p.result(timeout=120))
+            except Exception as e:  # noqa: BLE001 - the rank killed itself
+                results_t.append({"died": str(e).splitlines()[0], "rank": t.rank})
+        return results_t, results_i
+
+    def fetch_from(self, variant: str, rank: int) -> dict[str, Any]:
+        return as_tensors(self.inference[rank].submit(fetch, variant).result(timeout=120))
+
+    def check(self, variant: str, rank: int, version: int) -> list[str]:
+        full = weights_at(self.base, version)
+        expected = expected_inference(full, rank, self.tp, self.config["num_hidden_layers"], self.variants[variant])
+        return mismatches(self.fetch_from(variant, rank), expected)
+
+    def close(self) -> None:
+        self.trainers.close()
+        self.inference.close()
