@@ -32,9 +32,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from fabric_lib.testing import gather, spawn_ranks
+
 from benchmarks import weights_scale_model as scale
 from benchmarks.report import write_result
-from fabric_lib.testing import gather, spawn_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,7 +90,6 @@ def _engine(provider: str, force_network: bool, poll: str) -> Any:
 
 def _device(kind: str) -> Any:
     import torch
-
     from fabric_lib.testing import this_rank
 
     if kind == "cuda":
@@ -104,7 +104,6 @@ class Trainer:
     def __init__(self, device: str, provider: str, force_network: bool, poll: str) -> None:
         import torch
         import torch.distributed as dist
-
         from fabric_lib.testing import init_process_group
 
         torch.set_num_threads(1)
@@ -140,7 +139,9 @@ def make_sender(
         piece = s.placement.piece_of(s.shape, t.rank, s.name)
         if piece is not None:
             gen = torch.Generator().manual_seed(zlib.crc32(f"{s.name}@{t.rank}".encode()))
-            params[s.name] = torch.randn(s.placement.local_shape(piece), generator=gen).to(torch.bfloat16).to(t.device)
+            params[s.name] = (
+                torch.randn(s.placement.local_shape(piece), generator=gen).to(torch.bfloat16).to(t.device)
+            )
     t.senders[variant] = WeightSender(
         t.engine, sched, t.rank, params, manifests, device=t.device, staging_bytes=staging,
         imm_base=DEFAULT_IMM_BASE + (index << 16), barrier_imm_base=DEFAULT_BARRIER_IMM_BASE + (index << 20),
@@ -180,7 +181,9 @@ def run_floor(t: Trainer, offsets: list[int], imm: int) -> dict[str, float]:
         for off in range(0, total, f["write_bytes"]):
             n = min(f["write_bytes"], total - off)
             futures.append(
-                t.engine.submit_write(f["region"], f["dst"][r], n, src_offset=0, dst_offset=offsets[r] + off, imm=imm)
+                t.engine.submit_write(
+                    f["region"], f["dst"][r], n, src_offset=0, dst_offset=offsets[r] + off, imm=imm
+                )
             )
     for fut in futures:
         fut.result(timeout=120)
@@ -211,7 +214,6 @@ def run_update(t: Trainer, variant: str, version: int) -> dict[str, Any]:
 class Inference:
     def __init__(self, device: str, provider: str, force_network: bool, poll: str) -> None:
         import torch
-
         from fabric_lib.testing import this_rank
 
         torch.set_num_threads(1)
@@ -237,7 +239,9 @@ def make_receiver(i: Inference, variant: str, index: int, text: str) -> bytes:
     from fabric_lib.weights import DEFAULT_IMM_BASE, Schedule, WeightReceiver, inference_params
 
     sched = Schedule.from_json(text)
-    r = WeightReceiver(i.engine, inference_params(sched, i.rank, i.device), i.rank, imm_base=DEFAULT_IMM_BASE + (index << 16))
+    r = WeightReceiver(
+        i.engine, inference_params(sched, i.rank, i.device), i.rank, imm_base=DEFAULT_IMM_BASE + (index << 16)
+    )
     r.set_schedule(sched)
     i.receivers[variant] = r
     return r.manifest()
@@ -270,14 +274,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     scheds = schedules(a)
     poll = a.poll or ("busy" if a.device == "cuda" else "adaptive")
     kw = {"device": a.device, "provider": a.provider, "force_network": a.force_network, "poll": poll}
-    inference = spawn_ranks(a.inference, setup=open_inference, setup_kwargs=kw, teardown=close_inference, timeout=180)
+    inference = spawn_ranks(
+        a.inference, setup=open_inference, setup_kwargs=kw, teardown=close_inference, timeout=180
+    )
     trainers = None
     try:
-        trainers = spawn_ranks(a.trainers, setup=open_trainer, setup_kwargs=kw, teardown=close_trainer, timeout=180)
+        trainers = spawn_ranks(
+            a.trainers, setup=open_trainer, setup_kwargs=kw, teardown=close_trainer, timeout=180
+        )
         for index, (variant, sched) in enumerate(scheds.items()):
             text = sched.to_json()
             manifests = inference.call_all(make_receiver, variant, index, text)
-            gather(trainers.submit_all(make_sender, variant, index, text, manifests, a.staging_bytes, a.profile), 300)
+            gather(
+                trainers.submit_all(make_sender, variant, index, text, manifests, a.staging_bytes, a.profile),
+                300,
+            )
         # the floor moves the bf16 schedule's bytes (the larger variant) per (trainer, inference rank)
         floor_sched = scheds[a.variants[0]]
         text = floor_sched.to_json()
@@ -287,9 +298,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         landing = [inference[r].call(make_landing, sum(p[r] for p in per_pair)) for r in range(a.inference)]
         for t in trainers:
             t.call(make_floor, text, landing, a.max_write_bytes)
-        offsets = [[sum(per_pair[s][r] for s in range(w)) for r in range(a.inference)] for w in range(a.trainers)]
+        offsets = [
+            [sum(per_pair[s][r] for s in range(w)) for r in range(a.inference)] for w in range(a.trainers)
+        ]
         counts = [
-            sum(-(-per_pair[w][r] // a.max_write_bytes) for w in range(a.trainers)) for r in range(a.inference)
+            sum(-(-per_pair[w][r] // a.max_write_bytes) for w in range(a.trainers))
+            for r in range(a.inference)
         ]
         rounds: dict[str, list[dict[str, Any]]] = {"floor": [], **{v: [] for v in a.variants}}
         order = ["floor", *a.variants]
@@ -328,7 +342,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         inference.close()
 
 
-def summarize(a: argparse.Namespace, scheds: dict[str, Any], rounds: dict[str, Any], per_pair: list[list[int]]) -> dict[str, Any]:
+def summarize(
+    a: argparse.Namespace, scheds: dict[str, Any], rounds: dict[str, Any], per_pair: list[list[int]]
+) -> dict[str, Any]:
     from benchmarks.weights_scale_model import per_rank_work
 
     med = statistics.median
@@ -402,7 +418,10 @@ def summarize(a: argparse.Namespace, scheds: dict[str, Any], rounds: dict[str, A
     out["scale_model"] = model
     out["throughput"] = {
         "raw engine write (floor)": [{"size": floor_bytes, "gbytes_per_s": out["floor"]["gb_per_s"]}],
-        **{f"update {v}": [{"size": r["bytes"], "gbytes_per_s": r["gb_per_s"]}] for v, r in out["variants"].items()},
+        **{
+            f"update {v}": [{"size": r["bytes"], "gbytes_per_s": r["gb_per_s"]}]
+            for v, r in out["variants"].items()
+        },
     }
     return out
 
@@ -422,7 +441,9 @@ def plot_stages(path: Path, result: dict[str, Any]) -> None:
         vals = [1e3 * result["variants"][n]["stages_s"][stage] for n in names]
         ax.bar(names, vals, bottom=bottoms, label=stage)
         bottoms = [b + v for b, v in zip(bottoms, vals)]
-    ax.bar([f"{n} (end to end)" for n in names], [1e3 * result["variants"][n]["s"] for n in names], color="grey")
+    ax.bar(
+        [f"{n} (end to end)" for n in names], [1e3 * result["variants"][n]["s"] for n in names], color="grey"
+    )
     ax.bar(["floor"], [1e3 * result["floor"]["s"]], color="black")
     ax.set_ylabel("ms (slowest trainer; medians)")
     ax.legend(fontsize=8)

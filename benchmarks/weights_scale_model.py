@@ -57,7 +57,12 @@ PUBLISHED_S = 1.3
 
 
 def kimi_k2_layout(
-    layers: int = LAYERS, pp: int = PP, ep: int = EP, fsdp: int = FSDP, instances: int = INSTANCES, inf_ep: int = INF_EP
+    layers: int = LAYERS,
+    pp: int = PP,
+    ep: int = EP,
+    fsdp: int = FSDP,
+    instances: int = INSTANCES,
+    inf_ep: int = INF_EP,
 ) -> tuple[list[Any], list[Any], int, int]:
     """Trainer and inference descriptions of Kimi-K2 under the assumptions above."""
     per_stage = -(-layers // pp)
@@ -96,14 +101,13 @@ def kimi_k2_layout(
         add(a + "o_proj.weight", (HIDDEN, HEADS * V_HEAD), stage)
         add(p + "input_layernorm.weight", (HIDDEN,), stage)
         add(p + "post_attention_layernorm.weight", (HIDDEN,), stage)
-        fp8 = {"dtype": FP8}
         targets += [
-            target(a + "fused_qkv_a_proj_with_mqa.weight", [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"], everywhere, **fp8),
+            target(a + "fused_qkv_a_proj_with_mqa.weight", [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"], everywhere, dtype=FP8),
             target(a + "q_a_layernorm.weight", a + "q_a_layernorm.weight", everywhere),
-            target(a + "q_b_proj.weight", a + "q_b_proj.weight", everywhere, **fp8),
+            target(a + "q_b_proj.weight", a + "q_b_proj.weight", everywhere, dtype=FP8),
             target(a + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", everywhere),
-            target(a + "kv_b_proj.weight", a + "kv_b_proj.weight", everywhere, **fp8),
-            target(a + "o_proj.weight", a + "o_proj.weight", everywhere, **fp8),
+            target(a + "kv_b_proj.weight", a + "kv_b_proj.weight", everywhere, dtype=FP8),
+            target(a + "o_proj.weight", a + "o_proj.weight", everywhere, dtype=FP8),
             target(p + "input_layernorm.weight", p + "input_layernorm.weight", everywhere),
             target(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", everywhere),
         ]  # fmt: skip
@@ -113,8 +117,13 @@ def kimi_k2_layout(
             add(m + "up_proj.weight", (DENSE_INTER, HIDDEN), stage)
             add(m + "down_proj.weight", (HIDDEN, DENSE_INTER), stage)
             targets += [
-                target(m + "gate_up_proj.weight", [m + "gate_proj.weight", m + "up_proj.weight"], everywhere, **fp8),
-                target(m + "down_proj.weight", m + "down_proj.weight", everywhere, **fp8),
+                target(
+                    m + "gate_up_proj.weight",
+                    [m + "gate_proj.weight", m + "up_proj.weight"],
+                    everywhere,
+                    dtype=FP8,
+                ),
+                target(m + "down_proj.weight", m + "down_proj.weight", everywhere, dtype=FP8),
             ]
             continue
         add(m + "gate.weight", (EXPERTS, HIDDEN), stage)
@@ -130,10 +139,10 @@ def kimi_k2_layout(
         targets += [
             target(m + "gate.weight", m + "gate.weight", everywhere),
             target(m + "gate.e_score_correction_bias", m + "gate.e_score_correction_bias", everywhere),
-            target(s + "gate_up_proj.weight", [s + "gate_proj.weight", s + "up_proj.weight"], everywhere, **fp8),
-            target(s + "down_proj.weight", s + "down_proj.weight", everywhere, **fp8),
-            target(e + "w13_weight", [e + "gate_proj", e + "up_proj"], expert_split, fuse_dim=1, **fp8),
-            target(e + "w2_weight", e + "down_proj", expert_split, **fp8),
+            target(s + "gate_up_proj.weight", [s + "gate_proj.weight", s + "up_proj.weight"], everywhere, dtype=FP8),
+            target(s + "down_proj.weight", s + "down_proj.weight", everywhere, dtype=FP8),
+            target(e + "w13_weight", [e + "gate_proj", e + "up_proj"], expert_split, fuse_dim=1, dtype=FP8),
+            target(e + "w2_weight", e + "down_proj", expert_split, dtype=FP8),
         ]  # fmt: skip
     sources.append(source("model.norm.weight", (HIDDEN,), bf16, hsdp(pp - 1)))
     sources.append(source("lm_head.weight", (VOCAB, HIDDEN), bf16, hsdp(pp - 1)))
@@ -192,7 +201,9 @@ def predict(work: dict[str, Any], rates: dict[str, float], shared_nic: bool = Fa
     slowest_trainer = max(range(len(per_trainer)), key=lambda i: max(per_trainer[i].values()))
     trainer_s = max(per_trainer[slowest_trainer].values())
     receive_s = max(work["bytes_received"]) / nic
-    fill = work["largest_gathered_unit"] * (1 / (rates["gather_gbs"] * 1e9) + 1 / (rates["quantize_gbs"] * 1e9))
+    fill = work["largest_gathered_unit"] * (
+        1 / (rates["gather_gbs"] * 1e9) + 1 / (rates["quantize_gbs"] * 1e9)
+    )
     barriers = work["param_groups"] * rates["barrier_us"] * 1e-6
     total = max(trainer_s, receive_s) + fill + barriers
     return {
@@ -278,7 +289,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for key, value in DEFAULT_RATES.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=float, default=value)
-    p.add_argument("--group-bytes", type=int, default=64 << 30, help="bytes per parameter group (one barrier each; about a layer)")
+    p.add_argument(
+        "--group-bytes",
+        type=int,
+        default=64 << 30,
+        help="bytes per parameter group (one barrier each; about a layer)",
+    )
     p.add_argument("--max-write-bytes", type=int, default=64 << 20)
     p.add_argument("--json-out", type=Path, default=None)
     a = p.parse_args()

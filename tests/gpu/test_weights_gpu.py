@@ -10,7 +10,6 @@ import fabric_lib
 import pytest
 import torch
 from fabric_lib.errors import CudaUnavailableError
-
 from weights import cluster as c
 
 
@@ -84,6 +83,8 @@ def test_killed_ranks_on_gpu_fail_with_typed_errors(cluster) -> None:
     assert cluster.check("fp8", 0, 4) == []
     trainers, inference = cluster.update("fp8", 5, die_after_group={1: 0}, wait=20)
     alive = [r for r in trainers if "died" not in r]
-    assert len(alive) == 1 and (alive[0]["error"], alive[0]["role"]) == ("WeightsPeerLostError", "trainer"), trainers
+    assert len(alive) == 1 and (alive[0]["error"], alive[0]["role"]) == ("WeightsPeerLostError", "trainer"), (
+        trainers
+    )
     (seen,) = inference
     assert seen["error"] == "UpdateIncompleteError" and seen["partial"] and not seen["intact"], seen

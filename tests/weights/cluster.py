@@ -208,7 +208,9 @@ def make_sender(
     )
 
 
-def train_and_update(t: Trainer, variant: str, version: int, die_after_group: int | None = None) -> dict[str, Any]:
+def train_and_update(
+    t: Trainer, variant: str, version: int, die_after_group: int | None = None
+) -> dict[str, Any]:
     """A training step (new weights, copied into the live shards), then the update."""
     from fabric_lib.weights import WeightsPeerLostError, trainer_shards
 
@@ -225,13 +227,20 @@ def train_and_update(t: Trainer, variant: str, version: int, die_after_group: in
     try:
         stats = sender.update(version, timeout=60.0, on_group_done=progress)
     except WeightsPeerLostError as e:
-        return {"error": type(e).__name__, "role": e.role, "ranks": list(e.ranks), "after_s": time.monotonic() - start}
+        return {
+            "error": type(e).__name__,
+            "role": e.role,
+            "ranks": list(e.ranks),
+            "after_s": time.monotonic() - start,
+        }
     return {"stats": stats.__dict__}
 
 
 # -- inference ranks ----------------------------------------------------------------------------
 class Inference:
-    def __init__(self, device: str = "cpu", provider: str = "tcp", force_network: bool = False, gpu_offset: int = 0) -> None:
+    def __init__(
+        self, device: str = "cpu", provider: str = "tcp", force_network: bool = False, gpu_offset: int = 0
+    ) -> None:
         import fabric_lib
         import torch
         from fabric_lib.testing import this_rank
@@ -335,7 +344,10 @@ class Cluster:
         self.schedules = {}
         for variant, fp8 in variants.items():
             sources, targets = dense_transformer(
-                shapes(config), trainer_placement=trainer_placement(2), inference_groups=[list(range(tp))], fp8=fp8
+                shapes(config),
+                trainer_placement=trainer_placement(2),
+                inference_groups=[list(range(tp))],
+                fp8=fp8,
             )
             self.schedules[variant] = build_schedule(
                 sources, targets, num_trainers=2, num_inference=tp, max_write_bytes=max_write_bytes,
@@ -358,7 +370,10 @@ class Cluster:
             for index, (variant, sched) in enumerate(self.schedules.items()):
                 text = sched.to_json()
                 manifests = self.inference.call_all(make_receiver, variant, index, text)
-                gather(self.trainers.submit_all(make_sender, variant, index, text, manifests, staging_bytes), timeout=120)
+                gather(
+                    self.trainers.submit_all(make_sender, variant, index, text, manifests, staging_bytes),
+                    timeout=120,
+                )
         except BaseException:
             self.close()
             raise
@@ -370,7 +385,9 @@ class Cluster:
         """A training step and update on every live trainer while every live inference rank waits."""
         live_t = [t for t in self.trainers if t.exitcode is None and not t.broken]
         live_i = [i for i in self.inference if i.exitcode is None and not i.broken]
-        sent = [t.submit(train_and_update, variant, version, (die_after_group or {}).get(t.rank)) for t in live_t]
+        sent = [
+            t.submit(train_and_update, variant, version, (die_after_group or {}).get(t.rank)) for t in live_t
+        ]
         waits = [i.submit(wait_update, variant, version, wait) for i in live_i]
         results_i = [w.result(timeout=wait + 60) for w in waits]
         results_t = []
@@ -386,7 +403,9 @@ class Cluster:
 
     def check(self, variant: str, rank: int, version: int) -> list[str]:
         full = weights_at(self.base, version)
-        expected = expected_inference(full, rank, self.tp, self.config["num_hidden_layers"], self.variants[variant])
+        expected = expected_inference(
+            full, rank, self.tp, self.config["num_hidden_layers"], self.variants[variant]
+        )
         return mismatches(self.fetch_from(variant, rank), expected)
 
     def close(self) -> None:

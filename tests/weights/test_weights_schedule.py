@@ -103,10 +103,17 @@ def test_replicated_weights_are_balanced_over_trainers_and_nics(trainers, infere
     """Where every trainer may send every write, no trainer (and no NIC of one) sends more than
     the least-loaded one plus one write."""
     ranks = list(range(trainers))
-    sources = [W.source(f"w{i}", (256 * (1 + i % 3), 512), "bfloat16", W.replicated(ranks)) for i in range(layers)]
+    sources = [
+        W.source(f"w{i}", (256 * (1 + i % 3), 512), "bfloat16", W.replicated(ranks)) for i in range(layers)
+    ]
     targets = [W.target(s.name, s.name, W.sharded(0, list(range(inference)))) for s in sources]
     sched = W.build_schedule(
-        sources, targets, num_trainers=trainers, num_inference=inference, nics_per_trainer=nics, max_write_bytes=1 << 16
+        sources,
+        targets,
+        num_trainers=trainers,
+        num_inference=inference,
+        nics_per_trainer=nics,
+        max_write_bytes=1 << 16,
     )
     stats = sched.stats()
     biggest = max(sched.write_bytes(w) for w in sched.writes)
@@ -122,7 +129,9 @@ def test_overlapping_or_missing_writes_are_refused() -> None:
     targets = [W.target("a", "a", W.replicated([0]))]
     sched = W.build_schedule(sources, targets, num_trainers=1, num_inference=1)
     (w,) = sched.writes
-    twice = W.Schedule(list(sched.sources.values()), list(sched.targets.values()), 1, 1, 1, sched.units, [w, w], 1)
+    twice = W.Schedule(
+        list(sched.sources.values()), list(sched.targets.values()), 1, 1, 1, sched.units, [w, w], 1
+    )
     with pytest.raises(W.ScheduleError, match="overlap"):
         W.check_exclusive_cover(twice)
     none = W.Schedule(list(sched.sources.values()), list(sched.targets.values()), 1, 1, 1, sched.units, [], 1)
@@ -132,14 +141,26 @@ def test_overlapping_or_missing_writes_are_refused() -> None:
 
 def test_layouts_that_cannot_be_scheduled_raise_typed_errors() -> None:
     with pytest.raises(W.ScheduleError, match="equal parts"):
-        W.build_schedule([W.source("a", (6, 4), "bfloat16", W.sharded(0, [0, 1, 2, 3]))], [], num_trainers=4, num_inference=1)
+        W.build_schedule(
+            [W.source("a", (6, 4), "bfloat16", W.sharded(0, [0, 1, 2, 3]))],
+            [],
+            num_trainers=4,
+            num_inference=1,
+        )
     # FP8 blocks may not mix two trainer shards: rows 64 per trainer with 128-row blocks
     sources = [W.source("a", (128, 128), "bfloat16", W.sharded(0, [0, 1]))]
     with pytest.raises(W.ScheduleError, match="FP8 blocks"):
-        W.build_schedule(sources, [W.target("a", "a", W.replicated([0]), dtype=W.FP8)], num_trainers=2, num_inference=1)
+        W.build_schedule(
+            sources, [W.target("a", "a", W.replicated([0]), dtype=W.FP8)], num_trainers=2, num_inference=1
+        )
     with pytest.raises(W.ScheduleError, match="concatenated"):
-        bad = [W.source("a", (4, 4), "bfloat16", W.replicated([0])), W.source("b", (4, 8), "bfloat16", W.replicated([0]))]
-        W.build_schedule(bad, [W.target("ab", ["a", "b"], W.replicated([0]))], num_trainers=1, num_inference=1)
+        bad = [
+            W.source("a", (4, 4), "bfloat16", W.replicated([0])),
+            W.source("b", (4, 8), "bfloat16", W.replicated([0])),
+        ]
+        W.build_schedule(
+            bad, [W.target("ab", ["a", "b"], W.replicated([0]))], num_trainers=1, num_inference=1
+        )
     with pytest.raises(W.ScheduleError, match="no trainer parameter"):
         W.build_schedule([], [W.target("x", "missing", W.replicated([0]))], num_trainers=1, num_inference=1)
     with pytest.raises(W.ScheduleError, match="malformed"):
@@ -150,14 +171,16 @@ def test_layouts_that_cannot_be_scheduled_raise_typed_errors() -> None:
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
 @settings(max_examples=100, deadline=None)
 def test_box_runs_address_exactly_the_box(shape, data) -> None:
-    box = []
+    ranges = []
     for n in shape:
         lo = data.draw(st.integers(0, n - 1))
-        box.append((lo, data.draw(st.integers(lo + 1, n))))
-    box = tuple(box)
+        ranges.append((lo, data.draw(st.integers(lo + 1, n))))
+    box = tuple(ranges)
     runs = box_runs(shape, box, 2)
     got = sorted(
-        b for p in runs.pages for b in range(runs.offset + p * runs.page_stride, runs.offset + p * runs.page_stride + runs.page_len)
+        b
+        for p in runs.pages
+        for b in range(runs.offset + p * runs.page_stride, runs.offset + p * runs.page_stride + runs.page_len)
     )
     flat = torch.arange(math.prod(shape)).reshape(shape)
     index = flat[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)
@@ -204,7 +227,10 @@ def test_expert_layout_over_paged_writes_in_one_process() -> None:
                 engines[0], sched, 0, W.trainer_shards(sched, 0, full), [rc.manifest() for rc in receivers],
                 staging_bytes=1 << 20,
             )  # fmt: skip
-            assert any(len(box_runs(*sched.tensors_of(w.rank)[w.target][:1], w.dst_box, 1).pages) > 1 for w in sched.writes)
+            assert any(
+                len(box_runs(*sched.tensors_of(w.rank)[w.target][:1], w.dst_box, 1).pages) > 1
+                for w in sched.writes
+            )
             for version in (1, 2):
                 sender.update(version, timeout=30)
                 for rc in receivers:
@@ -215,7 +241,9 @@ def test_expert_layout_over_paged_writes_in_one_process() -> None:
                 if dtype == W.FP8:
                     for name, ref in (("w13", w13), ("o", o)):
                         q, s = W.quantize_fp8_blocks(ref, (128, 128))
-                        assert torch.equal(rc.params[name].view(torch.uint8), q.contiguous().view(torch.uint8))
+                        assert torch.equal(
+                            rc.params[name].view(torch.uint8), q.contiguous().view(torch.uint8)
+                        )
                         assert torch.equal(rc.params[f"{name}_scale_inv"], s)
                 else:
                     assert torch.equal(rc.params["w13"], w13) and torch.equal(rc.params["o"], o)

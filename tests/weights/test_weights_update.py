@@ -7,6 +7,7 @@ the partial update from a complete one."""
 from __future__ import annotations
 
 import pytest
+
 from . import cluster as c
 
 TP = 2
@@ -55,7 +56,9 @@ def test_killed_ranks_fail_the_update_with_typed_errors_and_partial_updates_are_
     before = cluster.fetch_from("fp8", 0)
     trainers, inference = cluster.update("fp8", 5, die_after_group={1: 0}, wait=8.0)
     alive = [r for r in trainers if "died" not in r]
-    assert len(alive) == 1 and (alive[0]["error"], alive[0]["role"]) == ("WeightsPeerLostError", "trainer"), trainers
+    assert len(alive) == 1 and (alive[0]["error"], alive[0]["role"]) == ("WeightsPeerLostError", "trainer"), (
+        trainers
+    )
     assert alive[0]["after_s"] < 4 * c.TIMEOUT
     (seen,) = inference
     assert seen["error"] == "UpdateIncompleteError" and seen["partial"], seen

@@ -57,7 +57,9 @@ def intersect(a: Box, b: Box) -> Box | None:
 def _chunk(box: Box, dim: int, parts: int, index: int, what: str) -> Box:
     lo, hi = box[dim]
     if (hi - lo) % parts:
-        raise ScheduleError(f"{what}: dimension {dim} of extent {hi - lo} does not split into {parts} equal parts")
+        raise ScheduleError(
+            f"{what}: dimension {dim} of extent {hi - lo} does not split into {parts} equal parts"
+        )
     step = (hi - lo) // parts
     return box[:dim] + ((lo + index * step, lo + (index + 1) * step),) + box[dim + 1 :]
 
@@ -125,11 +127,15 @@ class Placement:
                 elif self.inner == "fsdp":
                     rows = box[0][1] - box[0][0] if box else 1
                     per = -(-rows // n)
-                    out.append(Piece(rank, box, rows=(min(i * per, rows), min((i + 1) * per, rows)), padded=per))
+                    out.append(
+                        Piece(rank, box, rows=(min(i * per, rows), min((i + 1) * per, rows)), padded=per)
+                    )
                 else:
                     numel = box_numel(box)
                     per = -(-numel // n)
-                    out.append(Piece(rank, box, flat=(min(i * per, numel), min((i + 1) * per, numel)), padded=per))
+                    out.append(
+                        Piece(rank, box, flat=(min(i * per, numel), min((i + 1) * per, numel)), padded=per)
+                    )
         return out
 
     def piece_of(self, shape: Sequence[int], rank: int, what: str = "tensor") -> Piece | None:
@@ -154,11 +160,21 @@ class Placement:
             raise ScheduleError(f"{what}: dimension {dim} does not exist in shape {list(shape)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"groups": [list(g) for g in self.groups], "outer_dim": self.outer_dim, "inner": self.inner, "dim": self.dim}
+        return {
+            "groups": [list(g) for g in self.groups],
+            "outer_dim": self.outer_dim,
+            "inner": self.inner,
+            "dim": self.dim,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Placement:
-        return cls(tuple(tuple(int(r) for r in g) for g in d["groups"]), d.get("outer_dim"), d["inner"], int(d["dim"]))
+        return cls(
+            tuple(tuple(int(r) for r in g) for g in d["groups"]),
+            d.get("outer_dim"),
+            d["inner"],
+            int(d["dim"]),
+        )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -218,16 +234,25 @@ class SourceParam:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
-            raise ScheduleError(f"{self.name}: unsupported dtype {self.dtype!r} (known: {sorted(DTYPE_SIZES)})")
+            raise ScheduleError(
+                f"{self.name}: unsupported dtype {self.dtype!r} (known: {sorted(DTYPE_SIZES)})"
+            )
         if not self.shape or any(n < 1 for n in self.shape):
             raise ScheduleError(f"{self.name}: shape must have positive extents, got {list(self.shape)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "placement": self.placement.to_dict()}
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "placement": self.placement.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SourceParam:
-        return cls(d["name"], tuple(int(n) for n in d["shape"]), d["dtype"], Placement.from_dict(d["placement"]))
+        return cls(
+            d["name"], tuple(int(n) for n in d["shape"]), d["dtype"], Placement.from_dict(d["placement"])
+        )
 
 
 def source(name: str, shape: Sequence[int], dtype: str, placement: Placement) -> SourceParam:
@@ -310,7 +335,13 @@ def target(
     scale_name: str = "",
 ) -> TargetParam:
     return TargetParam(
-        name, (parts,) if isinstance(parts, str) else tuple(parts), placement, dtype, fuse_dim, block, scale_name
+        name,
+        (parts,) if isinstance(parts, str) else tuple(parts),
+        placement,
+        dtype,
+        fuse_dim,
+        block,
+        scale_name,
     )
 
 

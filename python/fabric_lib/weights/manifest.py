@@ -49,7 +49,11 @@ class Manifest:
                 int(doc["rank"]),
                 EngineAddress.from_hex(doc["address"]),
                 {
-                    n: TensorEntry(tuple(int(x) for x in e["shape"]), str(e["dtype"]), MrDescriptor.from_hex(e["descriptor"]))
+                    n: TensorEntry(
+                        tuple(int(x) for x in e["shape"]),
+                        str(e["dtype"]),
+                        MrDescriptor.from_hex(e["descriptor"]),
+                    )
                     for n, e in doc["tensors"].items()
                 },
             )

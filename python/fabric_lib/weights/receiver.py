@@ -69,7 +69,9 @@ class WeightReceiver:
     def manifest(self) -> bytes:
         """What the trainers need to write here (send it to the controller)."""
         tensors = {
-            name: TensorEntry(tuple(t.shape), str(t.dtype).removeprefix("torch."), self._regions[name].descriptor)
+            name: TensorEntry(
+                tuple(t.shape), str(t.dtype).removeprefix("torch."), self._regions[name].descriptor
+            )
             for name, t in self.params.items()
         }
         return Manifest(self.rank, self.engine.main_address, tensors).to_bytes()
@@ -97,7 +99,9 @@ class WeightReceiver:
             if self.version is not None and version <= self.version:
                 if version == self.version:
                     return
-                raise InvalidArgumentError(f"version {version} is older than the current version {self.version}")
+                raise InvalidArgumentError(
+                    f"version {version} is older than the current version {self.version}"
+                )
             if self._failed is not None and version <= self._failed:
                 raise InvalidArgumentError(
                     f"version {version} failed or is older than one that failed ({self._failed}); "
@@ -148,4 +152,3 @@ class WeightReceiver:
             except FabricError:
                 pass
         self._regions.clear()
-

@@ -195,12 +195,29 @@ class Schedule:
             "sources": [s.to_dict() for s in self.sources.values()],
             "targets": [t.to_dict() for t in self.targets.values()],
             "units": [
-                [u.index, u.source, _lists(u.box), list(u.holders), u.gather, list(u.gather_group), u.param_group, u.needed]
+                [
+                    u.index,
+                    u.source,
+                    _lists(u.box),
+                    list(u.holders),
+                    u.gather,
+                    list(u.gather_group),
+                    u.param_group,
+                    u.needed,
+                ]
                 for u in self.units
             ],
             "writes": [
-                [w.unit, w.writer, w.nic, w.rank, w.target, _lists(w.src_box), _lists(w.dst_box),
-                 None if w.scale_box is None else _lists(w.scale_box)]
+                [
+                    w.unit,
+                    w.writer,
+                    w.nic,
+                    w.rank,
+                    w.target,
+                    _lists(w.src_box),
+                    _lists(w.dst_box),
+                    None if w.scale_box is None else _lists(w.scale_box),
+                ]
                 for w in self.writes
             ],  # fmt: skip
         }
@@ -263,7 +280,9 @@ def _local_layout(
             raise ScheduleError(f"target {t.name}: part {name!r} is no trainer parameter")
         src = sources[name]
         if not 0 <= t.fuse_dim < len(src.shape):
-            raise ScheduleError(f"target {t.name}: fuse_dim {t.fuse_dim} does not exist in {name}{list(src.shape)}")
+            raise ScheduleError(
+                f"target {t.name}: fuse_dim {t.fuse_dim} does not exist in {name}{list(src.shape)}"
+            )
         piece = t.placement.piece_of(src.shape, rank, f"target {t.name} part {name}")
         if piece is None:
             raise ScheduleError(f"target {t.name}: inference rank {rank} is not in its placement")
@@ -377,7 +396,9 @@ def build_schedule(
         itemsize = DTYPE_SIZES[t.dtype]
         for rank in t.placement.ranks:
             if rank >= num_inference:
-                raise ScheduleError(f"target {t.name}: placement names inference rank {rank} of {num_inference}")
+                raise ScheduleError(
+                    f"target {t.name}: placement names inference rank {rank} of {num_inference}"
+                )
             shape, parts = _local_layout(t, by_name, rank)
             if t.quantized:
                 scale_shape(shape, t.block)  # at least 2-D
@@ -393,7 +414,10 @@ def build_schedule(
                         cands.setdefault(h, u.index)
                 for inter in sorted(by_box):
                     dst = tuple(
-                        (lo - pl + (part.offset if d == t.fuse_dim else 0), hi - pl + (part.offset if d == t.fuse_dim else 0))
+                        (
+                            lo - pl + (part.offset if d == t.fuse_dim else 0),
+                            hi - pl + (part.offset if d == t.fuse_dim else 0),
+                        )
                         for d, ((lo, hi), (pl, _)) in enumerate(zip(inter, part.box, strict=True))
                     )
                     if t.quantized and not _aligned(t, shape, dst):
@@ -443,7 +467,9 @@ def build_schedule(
         if acc >= group_bytes:
             group, acc = group + 1, 0
     num_groups = group + (1 if acc or group == 0 else 0)
-    schedule = Schedule(sources, targets, num_trainers, num_inference, nics_per_trainer, final_units, writes, num_groups)
+    schedule = Schedule(
+        sources, targets, num_trainers, num_inference, nics_per_trainer, final_units, writes, num_groups
+    )
     check_exclusive_cover(schedule)
     return schedule
 
@@ -464,10 +490,14 @@ def _disjoint_cover(boxes: list[Box], shape: tuple[int, ...], what: str) -> None
         active = [a for a in active if a[0][1] > b[0][0]]
         for a in active:
             if intersect(a, b) is not None:
-                raise ScheduleError(f"{what}: writes {list(a)} and {list(b)} overlap (two writers on one byte)")
+                raise ScheduleError(
+                    f"{what}: writes {list(a)} and {list(b)} overlap (two writers on one byte)"
+                )
         active.append(b)
     if total != numel:
-        raise ScheduleError(f"{what}: writes cover {total} of {numel} elements (a full update must cover every one)")
+        raise ScheduleError(
+            f"{what}: writes cover {total} of {numel} elements (a full update must cover every one)"
+        )
 
 
 def check_exclusive_cover(schedule: Schedule) -> None:
@@ -485,5 +515,7 @@ def check_exclusive_cover(schedule: Schedule) -> None:
             _disjoint_cover(data.get((rank, t.name), []), shape, f"{t.name} on inference rank {rank}")
             if t.quantized:
                 _disjoint_cover(
-                    scales.get((rank, t.name), []), scale_shape(shape, t.block), f"{t.scale_name} on inference rank {rank}"
+                    scales.get((rank, t.name), []),
+                    scale_shape(shape, t.block),
+                    f"{t.scale_name} on inference rank {rank}",
                 )

@@ -30,9 +30,9 @@ from ..errors import FabricError, FabricTimeoutError, InvalidArgumentError
 from .errors import ScheduleError, WeightsPeerLostError
 from .layout import DTYPE_SIZES, Box, box_numel, box_runs, box_shape
 from .manifest import Manifest
+from .prefetch import Prefetcher
 from .receiver import DEFAULT_IMM_BASE, update_imm
 from .schedule import Schedule, Unit, Write
-from .prefetch import Prefetcher
 from .staging import StagingPool
 from .transforms import gather_unit, quantize_fp8_blocks, slice_box, torch_dtype
 
@@ -101,7 +101,9 @@ class _Inflight:
             while self.outstanding:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise FabricTimeoutError(f"{self.outstanding} writes still in flight at the update's deadline")
+                    raise FabricTimeoutError(
+                        f"{self.outstanding} writes still in flight at the update's deadline"
+                    )
                 self._cond.wait(left)
 
 
@@ -154,7 +156,9 @@ class WeightSender:
         self.schedule = schedule if isinstance(schedule, Schedule) else Schedule.from_json(schedule)
         sched = self.schedule
         if not 0 <= rank < sched.num_trainers:
-            raise InvalidArgumentError(f"rank {rank} is not one of the schedule's {sched.num_trainers} trainers")
+            raise InvalidArgumentError(
+                f"rank {rank} is not one of the schedule's {sched.num_trainers} trainers"
+            )
         if sched.num_trainers > MAX_TRAINERS:
             raise InvalidArgumentError(f"at most {MAX_TRAINERS} trainers")
         self.engine, self.rank = engine, rank
@@ -206,7 +210,9 @@ class WeightSender:
                     f"rank {rank} of {sched.num_trainers} trainers, but the process group says "
                     f"{dist.get_rank(group)} of {dist.get_world_size(group)}"
                 )
-            needed = sorted({u.gather_group for u in self._units if u.needed and u.gather and rank in u.gather_group})
+            needed = sorted(
+                {u.gather_group for u in self._units if u.needed and u.gather and rank in u.gather_group}
+            )
             for ranks in needed:
                 glob = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
                 self._pgs[ranks] = dist.new_group(
@@ -227,7 +233,9 @@ class WeightSender:
                     continue
                 t = self.params.get(s.name)
                 if t is None:
-                    raise ScheduleError(f"trainer rank {self.rank} holds {s.name} but params has no such tensor")
+                    raise ScheduleError(
+                        f"trainer rank {self.rank} holds {s.name} but params has no such tensor"
+                    )
                 shape = s.placement.local_shape(piece)
                 dtype = str(t.dtype).removeprefix("torch.")
                 ok = tuple(t.shape) == shape
@@ -266,7 +274,9 @@ class WeightSender:
         group_units: dict[int, list[Unit]] = defaultdict(list)
         for u in work:
             group_units[u.param_group].append(u)
-        prefetch = Prefetcher(work, lambda u: self._unit_tensor(u, stats), self._unit_bytes, self.prefetch_bytes)
+        prefetch = Prefetcher(
+            work, lambda u: self._unit_tensor(u, stats), self._unit_bytes, self.prefetch_bytes
+        )
         try:
             for g in range(self.schedule.num_groups):
                 for unit in group_units.get(g, []):
@@ -323,7 +333,14 @@ class WeightSender:
         piece = src.placement.piece_of(src.shape, self.rank, src.name)
         assert piece is not None
         try:
-            out = gather_unit(local, unit.gather, unit.box, len(unit.gather_group), piece.padded, self._pgs[unit.gather_group])
+            out = gather_unit(
+                local,
+                unit.gather,
+                unit.box,
+                len(unit.gather_group),
+                piece.padded,
+                self._pgs[unit.gather_group],
+            )
         except Exception as e:  # noqa: BLE001 - any collective failure means a trainer is gone
             raise WeightsPeerLostError(
                 f"gathering {unit.source} among trainers {list(unit.gather_group)} failed: {type(e).__name__}: {e}",
@@ -350,7 +367,14 @@ class WeightSender:
             self._write(unit, data, w, imm, inflight, stats, deadline)
 
     def _write(
-        self, unit: Unit, data: Any, w: Write, imm: int, inflight: _Inflight, stats: UpdateStats, deadline: float
+        self,
+        unit: Unit,
+        data: Any,
+        w: Write,
+        imm: int,
+        inflight: _Inflight,
+        stats: UpdateStats,
+        deadline: float,
     ) -> None:
         import torch
 
@@ -477,4 +501,3 @@ class WeightSender:
             self.engine.unregister_memory(self.pool.region)
         except FabricError:
             pass
-

@@ -9,6 +9,8 @@ from typing import Any
 
 from .schedule import Schedule
 from .transforms import slice_box, torch_dtype
+
+
 def trainer_shards(schedule: Schedule, rank: int, full: Mapping[str, Any]) -> dict[str, Any]:
     """The local tensors trainer ``rank`` holds under the schedule's placements, cut from whole
     tensors ``full`` (name -> global tensor): tests, benchmarks, and frameworks that keep full
@@ -36,4 +38,3 @@ def inference_params(schedule: Schedule, rank: int, device: Any = "cpu") -> dict
         name: torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
         for name, (shape, dtype) in schedule.tensors_of(rank).items()
     }
-

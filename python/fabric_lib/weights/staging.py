@@ -36,7 +36,9 @@ class StagingPool:
         """The offset of ``nbytes`` free bytes; waits (until ``deadline``, monotonic) for space."""
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
         if size > self.nbytes:
-            raise InvalidArgumentError(f"a {nbytes}-byte slice does not fit the {self.nbytes}-byte staging memory")
+            raise InvalidArgumentError(
+                f"a {nbytes}-byte slice does not fit the {self.nbytes}-byte staging memory"
+            )
         with self._cond:
             while True:
                 for i, (off, length) in enumerate(self._free):
