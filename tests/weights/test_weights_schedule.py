@@ -253,3 +253,38 @@ def test_expert_layout_over_paged_writes_in_one_process() -> None:
         finally:
             for e in engines:
                 e.stop()
+
+
+def test_receiver_refuses_mismatched_tensors_and_reports_incomplete_versions() -> None:
+    sources = [W.source("a", (256, 128), "bfloat16", W.replicated([0]))]
+    sched = W.build_schedule(
+        sources, [W.target("a", "a", W.sharded(0, [0, 1]), dtype=W.FP8)], num_trainers=1, num_inference=2
+    )
+    with fabric_lib.TransferEngine("tcp", poll_mode="adaptive") as engine:
+        wrong = W.inference_params(sched, 0)
+        wrong["a"] = torch.zeros(128, 128, dtype=torch.bfloat16)  # bf16 where FP8 is written
+        with pytest.raises(W.ScheduleError, match="a is bfloat16"):
+            W.WeightReceiver(engine, wrong, 0).set_schedule(sched)
+        missing = W.inference_params(sched, 0)
+        del missing["a_scale_inv"]
+        with pytest.raises(W.ScheduleError, match="registered no tensor"):
+            W.WeightReceiver(engine, missing, 0).set_schedule(sched)
+        receiver = W.WeightReceiver(engine, W.inference_params(sched, 0), 0)
+        with pytest.raises(fabric_lib.InvalidArgumentError, match="set_schedule"):
+            receiver.wait_for_update(1, timeout=0.1)
+        receiver.set_schedule(sched.to_json())
+        assert receiver.expected_writes == 2  # data and scales
+        with pytest.raises(W.UpdateIncompleteError) as info:
+            receiver.wait_for_update(1, timeout=0.2)
+        assert (info.value.received, info.value.expected, info.value.partial) == (0, 2, False)
+        assert isinstance(info.value, fabric_lib.FabricTimeoutError)
+        assert not receiver.intact and receiver.version is None
+        with pytest.raises(fabric_lib.InvalidArgumentError, match="new version"):
+            receiver.wait_for_update(1, timeout=0.1)  # a failed version is never reused
+        # a sender whose manifest list lacks a rank is refused before anything is sent
+        with pytest.raises(W.ScheduleError, match="no manifest"):
+            W.WeightSender(
+                engine, sched, 0, {"a": torch.zeros(256, 128, dtype=torch.bfloat16)}, [receiver.manifest()]
+            )
+        with pytest.raises(W.ScheduleError, match="must be bfloat16"):
+            W.WeightSender(engine, sched, 0, {"a": torch.zeros(255, 128, dtype=torch.bfloat16)}, [])
