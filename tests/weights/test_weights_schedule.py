@@ -288,3 +288,14 @@ def test_receiver_refuses_mismatched_tensors_and_reports_incomplete_versions() -
             )
         with pytest.raises(W.ScheduleError, match="must be bfloat16"):
             W.WeightSender(engine, sched, 0, {"a": torch.zeros(255, 128, dtype=torch.bfloat16)}, [])
+
+
+def test_uneven_groups_tile_without_gaps() -> None:
+    """Groups of different sizes split rows differently (not a grid): still one writer per byte."""
+    pl = W.grouped([[0, 1], [2, 3, 4]], outer_dim=1, inner="shard", dim=0)
+    sources = [W.source("a", (12, 8), "bfloat16", pl)]
+    for split in (0, 1):
+        targets = [W.target("a", "a", W.sharded(split, [0, 1, 2, 3]))]
+        sched = W.build_schedule(sources, targets, num_trainers=5, num_inference=4, max_write_bytes=8)
+        for key, hits in _bytes_written(sched).items():
+            assert set(hits) == {1}, key

@@ -23,6 +23,7 @@ How it is built:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -324,6 +325,32 @@ def _units(sources: Sequence[SourceParam], num_trainers: int) -> list[Unit]:
     return units
 
 
+class _BoxIndex:
+    """A source's units by where they start along dimension 0, so a query looks at the few
+    that can meet it (a superset; the caller intersects)."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        by_start: dict[int, list[Unit]] = defaultdict(list)
+        for u in units:
+            by_start[u.box[0][0]].append(u)
+        self._starts = sorted(by_start)
+        self._units = [by_start[s] for s in self._starts]
+        # reach[i]: the furthest row any unit starting at or before starts[i] extends to
+        self._reach = []
+        furthest = 0
+        for group in self._units:
+            furthest = max([furthest, *(u.box[0][1] for u in group)])
+            self._reach.append(furthest)
+
+    def overlapping(self, box: Box) -> list[Unit]:
+        lo, hi = box[0]
+        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        while first > 0 and self._reach[first - 1] > lo:
+            first -= 1
+        last = bisect.bisect_left(self._starts, hi)
+        return [u for group in self._units[first:last] for u in group]
+
+
 def _aligned(t: TargetParam, local_shape: tuple[int, ...], box: Box) -> bool:
     for d, b in ((len(local_shape) - 2, t.block[0]), (len(local_shape) - 1, t.block[1])):
         lo, hi = box[d]
@@ -389,6 +416,7 @@ def build_schedule(
     units_of: dict[str, list[Unit]] = defaultdict(list)
     for u in units:
         units_of[u.source].append(u)
+    index = {name: _BoxIndex(us) for name, us in units_of.items()}
 
     # Writes, each with its candidate writers (holder rank -> the unit it would send from).
     pending: list[tuple[int, Box, Box, Box | None, str, int, dict[int, int]]] = []
@@ -405,7 +433,7 @@ def build_schedule(
             row_bytes = math.prod(shape[1:]) * itemsize
             for part in parts:
                 by_box: dict[Box, dict[int, int]] = {}
-                for u in units_of[part.source]:
+                for u in index[part.source].overlapping(part.box):
                     inter = intersect(part.box, u.box)
                     if inter is None:
                         continue
