@@ -52,9 +52,10 @@ def cluster(request):
     path = PATHS[request.param]
     if path["force_network"] and not _network_path_available():
         pytest.skip("shm has no FI_HMEM here: point LD_LIBRARY_PATH at a CUDA-enabled libfabric")
-    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"  # NCCL needs a GPU per trainer
+    # gloo (gathers staged through host memory): NCCL needs a GPU per trainer, and its watchdog
+    # ends the surviving process instead of raising when a trainer dies.
     cl = c.Cluster(
-        VARIANTS, config=CONFIG, device="cuda", backend=backend, max_write_bytes=8 << 20,
+        VARIANTS, config=CONFIG, device="cuda", backend="gloo", max_write_bytes=8 << 20,
         group_bytes=128 << 20, staging_bytes=64 << 20, **path,
     )  # fmt: skip
     yield cl
