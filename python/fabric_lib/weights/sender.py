@@ -197,6 +197,7 @@ class WeightSender:
                 "raise it or build the schedule with a smaller max_write_bytes"
             )
         self.pool = StagingPool(engine, staging_bytes, self.device)
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.prefetch_bytes = staging_bytes if prefetch_bytes is None else prefetch_bytes
 
         # torch.distributed: gather groups (created by their members only) and trainer addresses.
@@ -275,13 +276,14 @@ class WeightSender:
         for u in work:
             group_units[u.param_group].append(u)
         prefetch = Prefetcher(
-            work, lambda u: self._unit_tensor(u, stats), self._unit_bytes, self.prefetch_bytes
+            work, lambda u: self._load_unit(u, stats), self._unit_bytes, self.prefetch_bytes
         )
         try:
             for g in range(self.schedule.num_groups):
                 for unit in group_units.get(g, []):
-                    got, data = prefetch.get(deadline)
+                    got, (data, ready) = prefetch.get(deadline)
                     assert got is unit
+                    data = self._on_this_stream(data, ready)
                     self._run_unit(unit, data, imm, inflight, stats, deadline)
                     del data
                     prefetch.release(unit)
@@ -319,6 +321,31 @@ class WeightSender:
         if self.profile:
             self._sync()
         stats.seconds[stage] += time.perf_counter() - t0
+
+    def _load_unit(self, unit: Unit, stats: UpdateStats) -> tuple[Any, Any]:
+        """The gather thread's work for ``unit``: on a GPU on a stream of its own, so packing and
+        quantizing earlier units on the caller's stream do not wait for it; returns the tensor
+        and the event that marks it ready (None on the CPU)."""
+        if self._side_stream is None:
+            return self._unit_tensor(unit, stats), None
+        import torch
+
+        with torch.cuda.stream(self._side_stream):
+            data = self._unit_tensor(unit, stats)
+            ready = torch.cuda.Event()
+            ready.record(self._side_stream)
+        return data, ready
+
+    def _on_this_stream(self, data: Any, ready: Any) -> Any:
+        """Orders the caller's stream after the gather and keeps the gathered memory from being
+        reused by the side stream's allocator while the caller's kernels read it."""
+        if ready is not None:
+            import torch
+
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready)
+            data.record_stream(stream)
+        return data
 
     def _unit_tensor(self, unit: Unit, stats: UpdateStats) -> Any:
         src = self.schedule.sources[unit.source]
