@@ -401,7 +401,6 @@ def build_schedule(
         raise ScheduleError("num_trainers, num_inference and nics_per_trainer must be at least 1")
     if max_write_bytes < 1 or group_bytes < 1:
         raise ScheduleError("max_write_bytes and group_bytes must be positive")
-    names = [s.name for s in sources] + [t.name for t in targets]
     if len(set(s.name for s in sources)) != len(sources):
         raise ScheduleError("trainer parameter names must be unique")
     if len(set(t.name for t in targets)) != len(targets):
@@ -409,7 +408,6 @@ def build_schedule(
     scale_names = [t.scale_name for t in targets if t.quantized]
     if set(scale_names) & {t.name for t in targets} or len(set(scale_names)) != len(scale_names):
         raise ScheduleError("scale tensor names must differ from every other inference tensor name")
-    del names
     by_name = {s.name: s for s in sources}
     by_target = {t.name: t for t in targets}
     units = _units(sources, num_trainers)
@@ -494,7 +492,7 @@ def build_schedule(
         acc += sum(_bytes_of(by_target[w.target], w) for w in ws)
         if acc >= group_bytes:
             group, acc = group + 1, 0
-    num_groups = group + (1 if acc or group == 0 else 0)
+    num_groups = 1 + max((u.param_group for u in final_units if u.needed), default=0)
     schedule = Schedule(
         sources, targets, num_trainers, num_inference, nics_per_trainer, final_units, writes, num_groups
     )
