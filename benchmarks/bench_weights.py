@@ -270,6 +270,16 @@ def wait_update(i: Inference, variant: str, version: int) -> float:
 
 
 # -- the run ------------------------------------------------------------------------------------
+def backend(a: argparse.Namespace) -> str:
+    """NCCL for GPU trainers when each has a GPU of its own (NCCL allows one rank per GPU);
+    otherwise gloo, whose gathers of GPU tensors go through host memory."""
+    if a.device != "cuda":
+        return "gloo"
+    import torch
+
+    return "nccl" if torch.cuda.device_count() >= a.trainers else "gloo"
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     scheds = schedules(a)
     poll = a.poll or ("busy" if a.device == "cuda" else "adaptive")
@@ -407,7 +417,7 @@ def summarize(
             + (f"; quantize {quant_rate:.2f} GB/s (bf16 in)" if quant_rate else "")
         )
         measured["submit_us"] = submit_us
-        if a.device == "cuda" and gather_rate:
+        if a.device == "cuda" and gather_rate and backend(a) == "nccl":  # gloo's host staging says nothing
             measured["gather_gbs"] = gather_rate
         if a.device == "cuda" and quant_rate:
             measured["quantize_gbs"] = quant_rate

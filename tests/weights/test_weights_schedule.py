@@ -299,3 +299,35 @@ def test_uneven_groups_tile_without_gaps() -> None:
         sched = W.build_schedule(sources, targets, num_trainers=5, num_inference=4, max_write_bytes=8)
         for key, hits in _bytes_written(sched).items():
             assert set(hits) == {1}, key
+
+
+def test_a_single_trainer_with_fsdp_placements_needs_no_collective() -> None:
+    sources = [
+        W.source("a", (256, 256), "bfloat16", W.flat_sharded([0])),
+        W.source("b", (256, 256), "bfloat16", W.fsdp_sharded([0])),
+    ]
+    targets = [
+        W.target("a", "a", W.sharded(0, [0, 1]), dtype=W.FP8),
+        W.target("b", "b", W.sharded(1, [0, 1])),
+    ]
+    sched = W.build_schedule(sources, targets, num_trainers=1, num_inference=2)
+    full = {s.name: torch.randn(s.shape).to(torch.bfloat16) for s in sources}
+    engines = [fabric_lib.TransferEngine("tcp", poll_mode="adaptive") for _ in range(3)]
+    try:
+        receivers = [W.WeightReceiver(engines[1 + r], W.inference_params(sched, r), r) for r in range(2)]
+        for rc in receivers:
+            rc.set_schedule(sched)
+        manifests = [rc.manifest() for rc in receivers]
+        sender = W.WeightSender(
+            engines[0], sched, 0, W.trainer_shards(sched, 0, full), manifests, staging_bytes=1 << 20
+        )
+        assert sender.update(1, timeout=30).gathers == 0
+        for rc in receivers:
+            rc.wait_for_update(1, timeout=30)
+        assert torch.equal(receivers[1].params["b"], full["b"].chunk(2, dim=1)[1])
+        q, s = W.quantize_fp8_blocks(full["a"].chunk(2)[0], (128, 128))
+        assert torch.equal(receivers[0].params["a"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(receivers[0].params["a_scale_inv"], s)
+    finally:
+        for e in engines:
+            e.stop()

@@ -356,6 +356,11 @@ class WeightSender:
             self._timed(stats, "h2d", t0)
         if unit.gather is None:
             return local.reshape(box_shape(unit.box))
+        if len(unit.gather_group) == 1:  # an FSDP "group" of one holds the whole box already
+            shape = box_shape(unit.box)
+            if unit.gather == "flat":
+                return local.reshape(-1)[: box_numel(unit.box)].view(shape)
+            return local[: shape[0]]
         t0 = time.perf_counter()
         piece = src.placement.piece_of(src.shape, self.rank, src.name)
         assert piece is not None
