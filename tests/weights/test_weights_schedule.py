@@ -48,9 +48,18 @@ def layouts(draw):
     for i in range(draw(st.integers(1, 4))):
         rows = unit * inference * draw(st.integers(1, 3)) * (trainers if draw(st.booleans()) else 1)
         cols = unit * inference * draw(st.integers(1, 2))
-        kind = draw(st.sampled_from(["replicate", "row", "col", "fsdp", "flat"]))
+        kind = draw(st.sampled_from(["replicate", "row", "col", "fsdp", "flat", "hsdp", "ep"]))
         ranks = list(range(trainers))
-        if kind == "row" and rows % trainers == 0 and (not fp8 or (rows // trainers) % 128 == 0):
+        halves = [ranks[: trainers // 2], ranks[trainers // 2 :]]
+        if kind == "hsdp" and trainers >= 2:
+            pl = W.fsdp_sharded(halves[0], replicas=[halves[1]])
+        elif kind == "ep" and trainers >= 2 and rows % 2 == 0 and (not fp8 or (rows // 2) % 128 == 0):
+            inner = draw(st.sampled_from(["shard", "fsdp", "flat", "replicate"]))
+            ok = inner != "shard" or ((rows // 2) % len(halves[0]) == 0 and (rows // 2) % len(halves[1]) == 0)
+            if fp8 and inner == "shard":
+                ok = ok and all((rows // 2 // len(h)) % 128 == 0 for h in halves)
+            pl = W.grouped(halves, outer_dim=0, inner=inner if ok else "replicate")
+        elif kind == "row" and rows % trainers == 0 and (not fp8 or (rows // trainers) % 128 == 0):
             pl = W.sharded(0, ranks)
         elif kind == "col" and cols % trainers == 0 and (not fp8 or (cols // trainers) % 128 == 0):
             pl = W.sharded(1, ranks)
