@@ -35,7 +35,8 @@ CONFIG = {
     "num_key_value_heads": 8,
     "head_dim": 64,
 }
-VARIANTS = {"bf16": False, "fp8": True}
+#: name -> FP8; "fp8-offload" keeps the trainers' shards in host memory (the host->device stage)
+VARIANTS = {"bf16": False, "fp8": True, "fp8-offload": True}
 PATHS = {
     "same-host": {"provider": "tcp", "force_network": False},
     "network": {"provider": "shm", "force_network": True},
@@ -56,7 +57,7 @@ def cluster(request):
     # ends the surviving process instead of raising when a trainer dies.
     cl = c.Cluster(
         VARIANTS, config=CONFIG, device="cuda", backend="gloo", max_write_bytes=8 << 20,
-        group_bytes=128 << 20, staging_bytes=64 << 20, **path,
+        group_bytes=128 << 20, staging_bytes=64 << 20, offloaded=("fp8-offload",), **path,
     )  # fmt: skip
     yield cl
     cl.close()
@@ -68,6 +69,8 @@ def test_three_updates_on_gpu_memory_are_exact(cluster, variant) -> None:
     for version in (1, 2, 3):
         trainers, inference = cluster.update(variant, version, wait=120)
         assert all("stats" in r for r in trainers), trainers
+        offloaded = variant == "fp8-offload"
+        assert all((r["stats"]["seconds"]["h2d"] > 0) == offloaded for r in trainers), trainers
         assert inference == [{"version": version, "intact": True}] * cluster.tp
         for rank in range(cluster.tp):
             assert cluster.check(variant, rank, version) == [], f"inference rank {rank}, version {version}"

@@ -186,12 +186,21 @@ def imm_bases(variant: int) -> tuple[int, int]:
 
 
 def make_sender(
-    t: Trainer, variant: str, index: int, schedule_json: str, manifests: list[bytes], staging_bytes: int
+    t: Trainer,
+    variant: str,
+    index: int,
+    schedule_json: str,
+    manifests: list[bytes],
+    staging_bytes: int,
+    offload: bool = False,
 ) -> None:
+    """``offload``: the shards stay in host memory while the sender works on ``t.device`` (the
+    host->device stage)."""
     from fabric_lib.weights import Schedule, WeightSender, trainer_shards
 
     sched = Schedule.from_json(schedule_json)
-    params = {n: p.to(t.device) for n, p in trainer_shards(sched, t.rank, weights_at(t.base, 0)).items()}
+    where = "cpu" if offload else t.device
+    params = {n: p.to(where) for n, p in trainer_shards(sched, t.rank, weights_at(t.base, 0)).items()}
     t.params[variant] = params
     imm, barrier_imm = imm_bases(index)
     t.senders[variant] = WeightSender(
@@ -200,6 +209,7 @@ def make_sender(
         t.rank,
         params,
         manifests,
+        device=t.device,
         staging_bytes=staging_bytes,
         imm_base=imm,
         barrier_imm_base=barrier_imm,
@@ -336,6 +346,7 @@ class Cluster:
         max_write_bytes: int = 256 << 10,
         group_bytes: int = 2 << 20,
         staging_bytes: int = 1 << 20,
+        offloaded: tuple[str, ...] = (),
     ) -> None:
         from fabric_lib.testing import gather, spawn_ranks
         from fabric_lib.weights import build_schedule, dense_transformer
@@ -370,8 +381,11 @@ class Cluster:
             for index, (variant, sched) in enumerate(self.schedules.items()):
                 text = sched.to_json()
                 manifests = self.inference.call_all(make_receiver, variant, index, text)
+                offload = variant in offloaded
                 gather(
-                    self.trainers.submit_all(make_sender, variant, index, text, manifests, staging_bytes),
+                    self.trainers.submit_all(
+                        make_sender, variant, index, text, manifests, staging_bytes, offload
+                    ),
                     timeout=120,
                 )
         except BaseException:
