@@ -12,7 +12,8 @@ and the immediates' trip over the provider). Measured in the same run:
 - paged writes of 2048 random pages, 64 KiB and 16 KiB, with the default 16-block copy kernel,
   against the peer copy of the same bytes;
 - UVM watcher callback latency: a kernel waits on a GPU flag, then stores to a watcher; the CPU
-  sets the flag and times until the Python callback ran. Also reported: the same round trip
+  sets the flag and times until the Python callback ran, on the callback thread and with
+  ``inline=True`` on the watcher thread (``fabric-debug watcher`` measures a Rust reaction). Also reported: the same round trip
   with the CPU spinning on the word itself (no watcher thread, no callback), which bounds the
   part that is GPU signalling rather than watcher (published: 6.2 / 12.6 us p50/p99 in Rust,
   9.3 us p50 in Python).
@@ -168,8 +169,9 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def bench_watcher(engine, device: int, iterations: int, chunk: int = 200) -> dict:
-    """Flag set by the CPU -> kernel sees it -> kernel stores i to the word -> seen on the CPU."""
+def bench_watcher(engine, device: int, iterations: int, chunk: int = 200, inline: bool = False) -> dict:
+    """Flag set by the CPU -> kernel sees it -> kernel stores i to the word -> seen on the CPU.
+    ``inline``: the Python callback runs on the watcher thread (no hand-off)."""
     stream = fcuda.SignalStream(device)
     flag = engine.alloc_gpu_flag(device)
     stamps: dict[int, int] = {}
@@ -181,7 +183,7 @@ def bench_watcher(engine, device: int, iterations: int, chunk: int = 200) -> dic
             stamps[new] = t
             cv.notify()
 
-    watcher = engine.alloc_uvm_watcher(cb, device)
+    watcher = engine.alloc_uvm_watcher(cb, device, inline=inline)
     direct = engine.alloc_gpu_flag(device)  # a plain word the CPU spins on (no watcher)
     via_watcher: list[float] = []
     spin: list[float] = []
@@ -217,7 +219,7 @@ def bench_watcher(engine, device: int, iterations: int, chunk: int = 200) -> dic
     drop = min(50, iterations // 10)
     via_watcher, spin = via_watcher[drop:], spin[drop:]
     return {
-        "kind": "uvm_watcher",
+        "kind": "uvm_watcher_inline" if inline else "uvm_watcher",
         "iterations": len(via_watcher),
         "callback_rtt_p50_us": statistics.median(via_watcher),
         "callback_rtt_p99_us": _pct(via_watcher, 0.99),
@@ -244,6 +246,7 @@ def main() -> None:
         help="result file (a PNG plot is written beside it)",
     )
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    ap.add_argument("--watcher-only", action="store_true", help="only the UVM watcher latencies")
     ap.add_argument(
         "--write-completion",
         choices=("auto", "delivery", "transmit"),
@@ -271,8 +274,10 @@ def main() -> None:
         phases = [
             lambda: bench_single(w, r, args.src, dst_dev, sizes, budget),
             lambda: bench_paged(w, r, args.src, dst_dev, [64 << 10, 16 << 10], pages, paged_iters),
-            lambda: [bench_watcher(r, args.src, watch_iters)],
+            lambda: [bench_watcher(r, args.src, watch_iters, inline=inline) for inline in (False, True)],
         ]
+        if args.watcher_only:
+            phases = phases[-1:]
         for phase in progress(phases, desc="bench_same_host (single, paged, watcher)"):
             results["rows"] += phase()
     finally:
@@ -288,21 +293,26 @@ def main() -> None:
         else:
             continue
         print(f"{name:<22}{row['fabric_gbps']:>12.1f}{row['peer_copy_gbps']:>11.1f}{row['ratio']:>8.2f}")
-    wrow = results["rows"][-1]
-    print(
-        f"UVM watcher (Python callback): CPU flag -> GPU -> watcher -> callback round trip p50 "
-        f"{wrow['callback_rtt_p50_us']:.1f} us, p99 {wrow['callback_rtt_p99_us']:.1f} us; CPU spinning on the "
-        f"word itself: p50 {wrow['spin_rtt_p50_us']:.1f} us, p99 {wrow['spin_rtt_p99_us']:.1f} us; estimated "
-        f"GPU-write -> callback p50 {wrow['callback_latency_est_p50_us']:.1f} us, p99 "
-        f"{wrow['callback_latency_est_p99_us']:.1f} us (published 6.2 / 12.6 us Rust, 9.3 us p50 Python)"
-    )
+    for wrow in (row for row in results["rows"] if row["kind"].startswith("uvm_watcher")):
+        where = "watcher thread" if wrow["kind"].endswith("inline") else "callback thread"
+        print(
+            f"UVM watcher (Python callback on the {where}): CPU flag -> GPU -> watcher -> callback round trip p50 "
+            f"{wrow['callback_rtt_p50_us']:.1f} us, p99 {wrow['callback_rtt_p99_us']:.1f} us; CPU spinning on the "
+            f"word itself: p50 {wrow['spin_rtt_p50_us']:.1f} us, p99 {wrow['spin_rtt_p99_us']:.1f} us; estimated "
+            f"GPU-write -> callback p50 {wrow['callback_latency_est_p50_us']:.1f} us, p99 "
+            f"{wrow['callback_latency_est_p99_us']:.1f} us (published 6.2 / 12.6 us Rust, 9.3 us p50 Python)"
+        )
     singles = [row for row in results["rows"] if row["kind"] == "single"]
-    results["throughput"] = {
-        "fabric-lib": [{"size": row["bytes"], "gbytes_per_s": row["fabric_gbps"]} for row in singles],
-        "torch peer copy (baseline)": [
-            {"size": row["bytes"], "gbytes_per_s": row["peer_copy_gbps"]} for row in singles
-        ],
-    }
+    results["throughput"] = (
+        {}
+        if not singles
+        else {
+            "fabric-lib": [{"size": row["bytes"], "gbytes_per_s": row["fabric_gbps"]} for row in singles],
+            "torch peer copy (baseline)": [
+                {"size": row["bytes"], "gbytes_per_s": row["peer_copy_gbps"]} for row in singles
+            ],
+        }
+    )
     write_result(Path(args.json_out), "bench_same_host", "tcp", vars(args), results)
 
 

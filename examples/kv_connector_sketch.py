@@ -6,7 +6,7 @@ interface of a vLLM-style connector (KVConnectorBase_V1) is a line or two.
 | register_kv_caches(caches) | KvSender / KvReceiver over the per-layer tensors (+ connect) |
 | bind_connector_metadata(meta) | prefill: ``begin_forward`` with the tokens this step computes |
 | start_load_kv (decode) | ``KvReceiver.request`` for each new request (decoder asked first) |
-| wait_for_layer_load (decode) | nothing: a request is scheduled only once all its layers landed |
+| wait_for_layer_load (decode) | ``RecvRequest.wait_for_layer`` (a ``layerwise`` receiver) |
 | save_kv_layer (prefill) | ``ForwardPass.layer_ready(layer)`` (pages go out now) |
 | wait_for_save (prefill) | ``ForwardPass.wait`` |
 | get_finished | ``KvSender.finished()`` / ``KvReceiver.finished()`` |
@@ -48,6 +48,7 @@ class FabricKvConnector:
         self.endpoint: KvSender | KvReceiver | None = None
         self._layer_index: dict[str, int] = {}
         self._fwd: ForwardPass | None = None
+        self._loads: dict[str, Any] = {}  # decode: requests whose layers this step waits for
 
     # -- hooks -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -65,12 +66,16 @@ class FabricKvConnector:
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         if isinstance(self.endpoint, KvReceiver):
-            for rid, (instance, blocks, tokens) in meta.new_loads.items():
-                self.endpoint.request(rid, instance, blocks, tokens)
+            self._loads = {
+                rid: self.endpoint.request(rid, instance, blocks, tokens)
+                for rid, (instance, blocks, tokens) in meta.new_loads.items()
+            }
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Decode-side loads are whole-request: the scheduler runs a request once get_finished
-        reported it, so there is nothing to wait for per layer."""
+    def wait_for_layer_load(self, layer_name: str, timeout: float = 30.0) -> None:
+        """Layer-wise loading: returns once this layer of every request being loaded landed,
+        so the decoder's forward pass can run a layer while later ones are in flight."""
+        for req in self._loads.values():
+            req.wait_for_layer(self._layer_index[layer_name], timeout)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
         if self._fwd is not None:
@@ -108,7 +113,7 @@ def main() -> None:
             f"layer.{i}": torch.zeros(layout.layer_shape(64, 1), dtype=torch.bfloat16) for i in range(4)
         }
         prefill = FabricKvConnector("prefill", pe, layout, "prefill-0", chunk_tokens=chunk)
-        decode = FabricKvConnector("decode", de, layout, "decode-0")
+        decode = FabricKvConnector("decode", de, layout, "decode-0", layerwise=True)
         prefill.register_kv_caches(p_caches)
         decode.register_kv_caches(d_caches)
         assert isinstance(decode.endpoint, KvReceiver)
@@ -138,7 +143,14 @@ def main() -> None:
             prefill.wait_for_save()
             done.update(progress)
 
-        # the decoder schedules each request once get_finished reports it
+        # the decoder's forward pass loads layer by layer
+        for name in d_caches:
+            decode.wait_for_layer_load(name)
+            for r, n in prompts.items():
+                nb = layout.blocks_for(n)
+                assert torch.equal(d_caches[name][d_blocks[r][:nb]], p_caches[name][p_blocks[r][:nb]])
+
+        # get_finished reports each request once all of it landed (the blocks are the decoder's)
         received: set[str] = set()
         deadline = time.monotonic() + 30
         while received != set(prompts) and time.monotonic() < deadline:

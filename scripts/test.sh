@@ -9,5 +9,12 @@ source scripts/python-env.sh
 bash scripts/lint.sh
 echo "== cargo test"
 cargo test -q --release -p libfabric-sys -p fabric-lib -p fabric-debug -p cuda-lib -p p2p-all-to-all
+# With the CUDA-enabled libfabric (scripts/build_libfabric.sh) in place, the DMA-BUF registration
+# path also runs against it (libfabric >= 1.20; the system's 1.17 has no FI_MR_DMABUF).
+if [ -e .libfabric-cuda/lib/libfabric.so.1 ]; then
+    echo "== cargo test (DMA-BUF registration against .libfabric-cuda)"
+    LD_LIBRARY_PATH="$PWD/.libfabric-cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        cargo test -q --release -p fabric-lib --lib provider::libfabric::dmabuf
+fi
 echo "== pytest"
 "$PY" -m pytest -q -p no:cacheprovider tests "$@"

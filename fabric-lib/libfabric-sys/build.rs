@@ -30,7 +30,7 @@ fn main() {
         .header("wrapper.h")
         .allowlist_function("fi_getinfo|fi_freeinfo|fi_dupinfo|fi_strerror|fi_tostr|shim_.*")
         .allowlist_type("fi_.*|fid_.*|fid")
-        .allowlist_var("FI_.*|FI_E.*")
+        .allowlist_var("FI_.*|FI_E.*|SHIM_.*")
         .derive_default(true)
         .layout_tests(false)
         .prepend_enum_name(false)

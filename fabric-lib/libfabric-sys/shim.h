@@ -23,7 +23,28 @@ int shim_fi_getname(struct fid *fid, void *addr, size_t *addrlen);
 int shim_fi_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags, void *context);
 int shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access, uint64_t offset,
                    uint64_t requested_key, uint64_t flags, struct fid_mr **mr, void *context);
-int shim_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr, uint64_t flags, struct fid_mr **mr);
+/* The version of the libfabric that runs (fi_version()), which may be newer than these headers. */
+uint32_t shim_fi_runtime_version(void);
+
+/* libfabric >= 1.20 ABI, declared by hand: the bindings are generated from older headers (1.17),
+ * which have neither. Layouts as in libfabric 2.x's fi_domain.h; shim.c checks them against the
+ * real declarations whenever it is compiled with headers that have them. */
+#define SHIM_FI_MR_DMABUF (1ULL << 40)
+struct shim_fi_mr_dmabuf {
+    int fd;
+    uint64_t offset;
+    size_t len;
+    void *base_addr;
+};
+
+/* Registers one range with fi_mr_regattr. `iov` (host or device virtual addresses) or, with
+ * SHIM_FI_MR_DMABUF in `flags`, `dmabuf` describes it (the other is NULL); `cuda_device` >= 0 sets
+ * iface = FI_HMEM_CUDA of that device, -1 leaves FI_HMEM_SYSTEM. The attribute passed to libfabric
+ * has the full 2.x layout (unused fields zero), so it is read correctly whatever API version the
+ * domain was opened with. */
+int shim_fi_mr_regattr2(struct fid_domain *domain, const struct iovec *iov, const struct shim_fi_mr_dmabuf *dmabuf,
+                        uint64_t access, uint64_t requested_key, int cuda_device, uint64_t flags,
+                        struct fid_mr **mr);
 void *shim_fi_mr_desc(struct fid_mr *mr);
 uint64_t shim_fi_mr_key(struct fid_mr *mr);
 int shim_fi_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags);

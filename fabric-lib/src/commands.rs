@@ -5,8 +5,10 @@ use std::sync::Arc;
 use crossbeam_channel::Sender;
 
 use crate::completion::Notify;
+use crate::config::GpuRegistration;
 use crate::descriptor::MemoryKind;
 use crate::error::{FabricError, Result};
+use crate::provider::libfabric::NicRegistration;
 use crate::provider::same_host::{SameHostCopy, SameHostDst};
 use crate::sharding::{DeferredImm, Shard};
 
@@ -50,6 +52,9 @@ pub(crate) struct SendCommand {
     pub on_done: Notify,
 }
 
+/// What a registration reports: per domain (key, remote base), and how GPU memory reached the NIC.
+pub(crate) type Registered = (Vec<(u64, u64)>, Option<NicRegistration>);
+
 pub(crate) enum Command {
     /// `network: false` records the region for same-host use only (GPU memory the NIC cannot
     /// reach); `network: true` registers it on every domain (GPU memory needs FI_HMEM).
@@ -59,7 +64,11 @@ pub(crate) enum Command {
         len: usize,
         kind: MemoryKind,
         network: bool,
-        reply: Sender<Result<Vec<(u64, u64)>>>,
+        /// How GPU memory is registered with the NIC (FI_HMEM domains).
+        gpu_registration: GpuRegistration,
+        /// Per domain (key, remote base), and how GPU memory was registered (None: host memory,
+        /// or not registered with the NIC).
+        reply: Sender<Result<Registered>>,
     },
     Unregister {
         region: u64,
@@ -69,10 +78,12 @@ pub(crate) enum Command {
     SameHost(SameHostTransfer),
     Send(SendCommand),
     SetRecvCallback(Option<RecvCallback>),
-    /// Lifts the fence on a peer (its first domain's endpoint); replies whether it was fenced.
+    /// Lifts the fence on a peer (its endpoints, one per domain) after the epoch handshake
+    /// (`epoch`); replies what the peer counted in the epoch that ended.
     Readmit {
-        peer: Vec<u8>,
-        reply: Sender<Result<bool>>,
+        peer: Vec<Vec<u8>>,
+        max_message_size: u64,
+        reply: Sender<Result<crate::epoch::Readmission>>,
     },
     Stop,
 }

@@ -77,6 +77,41 @@ impl WriteCompletion {
     }
 }
 
+/// How GPU memory is registered with the NIC where the provider has FI_HMEM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuRegistration {
+    /// DMA-BUF where the running libfabric has it (≥ 1.20), falling back to the CUDA interface
+    /// when the driver or provider refuses it.
+    Auto,
+    /// DMA-BUF only: a region that cannot be registered that way fails to register.
+    Dmabuf,
+    /// By address with `iface = FI_HMEM_CUDA` only.
+    Cuda,
+}
+
+impl GpuRegistration {
+    /// The option's name: `auto`, `dmabuf` or `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuRegistration::Auto => "auto",
+            GpuRegistration::Dmabuf => "dmabuf",
+            GpuRegistration::Cuda => "cuda",
+        }
+    }
+
+    /// Parses the option's name.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "auto" => Ok(GpuRegistration::Auto),
+            "dmabuf" => Ok(GpuRegistration::Dmabuf),
+            "cuda" => Ok(GpuRegistration::Cuda),
+            other => Err(FabricError::InvalidArgument(format!(
+                "gpu_registration must be 'auto', 'dmabuf' or 'cuda', not {other:?}"
+            ))),
+        }
+    }
+}
+
 /// Everything a [`crate::TransferEngine`] is built from.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -114,6 +149,9 @@ pub struct EngineConfig {
     /// Send same-host transfers involving GPU memory over the provider too, as two hosts would,
     /// instead of CUDA IPC (tests and benchmarks of the network path on one machine).
     pub force_network: bool,
+    /// How GPU memory is registered with the NIC on FI_HMEM providers (a forced mode is for
+    /// tests and for NICs known to need one).
+    pub gpu_registration: GpuRegistration,
 }
 
 impl EngineConfig {
@@ -150,6 +188,12 @@ impl EngineConfig {
         if self.paged_copy_blocks == 0 || self.paged_copy_blocks > 65_535 {
             return bad(format!("paged_copy_blocks must be in 1..=65535, got {}", self.paged_copy_blocks));
         }
+        if self.gpu_registration != GpuRegistration::Auto && self.gpu_network == Some(false) {
+            return bad(format!(
+                "gpu_registration='{}' registers GPU memory with the NIC, which gpu_network=False turns off",
+                self.gpu_registration.name()
+            ));
+        }
         // Affinity masks hold CPU_SETSIZE (1024) CPUs; a larger index cannot be pinned.
         for (name, cpu) in [("worker_cpu", self.worker_cpu), ("uvm_watcher_cpu", self.uvm_watcher_cpu)] {
             if let Some(cpu) = cpu.filter(|&c| c >= 1024) {
@@ -178,6 +222,7 @@ impl Default for EngineConfig {
             write_completion: WriteCompletion::Auto,
             gpu_network: None,
             force_network: false,
+            gpu_registration: GpuRegistration::Auto,
         }
     }
 }

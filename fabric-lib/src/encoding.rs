@@ -12,7 +12,9 @@ use crate::error::{FabricError, Result};
 /// Bumped whenever an encoded type changes shape.
 /// 2: addresses carry the owner's pid and process id, descriptors the same-host CUDA IPC data.
 /// 3: addresses carry the receiver's max_message_size; a CRC-32 of the bytes before it ends them.
-pub const ENCODING_VERSION: u16 = 3;
+/// 4: writes carry the writer's epoch tag above the immediate in their remote CQ data, and
+///    re-admission is a handshake of control messages (`epoch`).
+pub const ENCODING_VERSION: u16 = 4;
 const HEADER_LEN: usize = 10;
 const CHECKSUM_LEN: usize = 4;
 

@@ -28,7 +28,8 @@ pub enum FabricError {
     Timeout(String),
     /// An earlier request to this peer timed out, so the peer is fenced: nothing more is sent
     /// to it until [`crate::TransferEngine::readmit_peer`] (a timed-out request may or may not
-    /// have landed; resending blindly could count an immediate twice).
+    /// have landed; resending blindly could count an immediate twice, so re-admission reports
+    /// what the peer counted and makes it drop later deliveries of the ended epoch).
     #[error("peer fenced: {0}")]
     PeerFenced(String),
     /// The engine was stopped before or while the operation ran.

@@ -140,9 +140,22 @@ impl GpuFlag {
 /// Called with (previous value, new value) when a watched word changes.
 pub type WatcherCallback = Arc<dyn Fn(u64, u64) + Send + Sync + 'static>;
 
+/// Where a watcher's callback runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WatcherRunsOn {
+    /// The engine's callback thread (the watcher thread hands each change over): a slow
+    /// callback delays nothing but other callbacks.
+    #[default]
+    CallbackThread,
+    /// The watcher thread itself, right when it sees the change: no hand-off, the lowest
+    /// latency; while it runs, the device's other watchers are not polled, so keep it short.
+    WatcherThread,
+}
+
 struct WatchSlot {
     word: GpuWord,
     callback: WatcherCallback,
+    runs_on: WatcherRunsOn,
     closed: AtomicBool,
 }
 
@@ -229,7 +242,15 @@ fn watch(shared: Arc<WatcherShared>, poll_mode: PollMode, callbacks: CallbackQue
                 let (old, cb) = (*last, slot.callback.clone());
                 *last = now;
                 changed = true;
-                callbacks.push(Box::new(move || cb(old, now)));
+                match slot.runs_on {
+                    WatcherRunsOn::CallbackThread => callbacks.push(Box::new(move || cb(old, now))),
+                    WatcherRunsOn::WatcherThread => {
+                        // A panicking callback must not end the watching of the others.
+                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(old, now))).is_err() {
+                            tracing::error!("a UVM watcher callback panicked (change {old} -> {now})");
+                        }
+                    }
+                }
             }
         }
         if changed {
@@ -300,6 +321,7 @@ impl Watchers {
         poll_mode: PollMode,
         callbacks: CallbackQueue,
         callback: WatcherCallback,
+        runs_on: WatcherRunsOn,
     ) -> Result<UvmWatcher> {
         if self.stopped.load(Ordering::Acquire) {
             return Err(FabricError::Stopped);
@@ -316,7 +338,7 @@ impl Watchers {
                 }
             }
         };
-        let slot = Arc::new(WatchSlot { word, callback, closed: AtomicBool::new(false) });
+        let slot = Arc::new(WatchSlot { word, callback, runs_on, closed: AtomicBool::new(false) });
         thread.add(slot.clone());
         Ok(UvmWatcher { slot, thread })
     }

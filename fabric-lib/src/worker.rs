@@ -18,6 +18,7 @@ use crate::completion::{Notify, OnDone};
 use crate::config::{deadline_after, EngineConfig, PollMode};
 use crate::descriptor::MemoryKind;
 use crate::domain_state::DomainState;
+use crate::epoch::{PendingReadmit, ReceivedEpochs};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
 use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
@@ -28,6 +29,8 @@ use crate::sharding::DeferredImm;
 /// messages stay in their receive buffers, which are not re-posted: the provider then holds
 /// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
+
+mod epochs;
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -41,6 +44,8 @@ pub(crate) struct WorkerInfo {
     pub exited: Arc<AtomicBool>,
     /// Messages refused for exceeding max_message_size.
     pub oversized_messages: Arc<AtomicU64>,
+    /// Immediates refused for carrying a retired epoch (see `epoch`).
+    pub stale_immediates: Arc<AtomicU64>,
     /// Every domain has FI_HMEM: GPU memory can be registered with the NIC.
     pub hmem: bool,
 }
@@ -86,6 +91,8 @@ enum Op {
         slot: usize,
         len: usize,
         dest: u64,
+        /// Remote CQ data: set on control messages only (see `epoch`).
+        data: Option<u64>,
     },
 }
 
@@ -144,6 +151,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                         stats: worker.stats.clone(),
                         exited: worker.exited.clone(),
                         oversized_messages: worker.oversized_messages.clone(),
+                        stale_immediates: worker.received.stale.clone(),
                         hmem: worker.domains.iter().all(|d| d.domain.has_hmem()),
                     };
                     let _ = ready_tx.send(Ok(info));
@@ -189,15 +197,16 @@ struct Worker {
     /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
     /// posts to other peers.
     pending: Vec<HashMap<u64, VecDeque<PendingPost>>>,
-    /// Messages waiting for a free send buffer (request, peer, bytes).
-    waiting_sends: VecDeque<(u64, u64, Vec<u8>)>,
+    /// Messages waiting for a free send buffer (request, peer, bytes, remote CQ data).
+    waiting_sends: VecDeque<(u64, u64, Vec<u8>, Option<u64>)>,
     outstanding: HashSet<usize>,
     /// Receive contexts by address: (domain, slot). Completions are only ever matched against
     /// these and `outstanding`; an unknown pointer (e.g. the undefined op_context of a remote
     /// write completion) is never dereferenced.
     recv_contexts: HashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
-    imm_batch: HashMap<u32, u32>,
+    /// Immediates counted in this round, by (epoch tag, immediate).
+    imm_batch: HashMap<(u32, u32), u32>,
     stats: Arc<[DomainCounters]>,
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
@@ -211,6 +220,17 @@ struct Worker {
     /// Peers (by their first domain's endpoint) that a request timed out on: nothing is sent
     /// to them until the application re-admits them.
     fenced: HashSet<Vec<u8>>,
+    /// Remote CQ data has 8 bytes: writes carry epoch tags, re-admission is a handshake.
+    wide_cq_data: bool,
+    /// This engine's epoch tag towards peers never re-admitted.
+    own_tag: u32,
+    /// Tags towards re-admitted peers: by first endpoint, and per domain by fi_addr (posting).
+    tags_by_peer: HashMap<Vec<u8>, u32>,
+    tags_by_dest: Vec<HashMap<u64, u32>>,
+    /// Re-admission handshakes waiting for the peer's answer, by nonce.
+    readmits: HashMap<u64, PendingReadmit>,
+    /// What this engine counted per writer epoch, and the epochs it retired.
+    received: ReceivedEpochs,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -270,6 +290,12 @@ impl Worker {
             exited: Arc::new(AtomicBool::new(false)),
             delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
             fenced: HashSet::new(),
+            wide_cq_data: domains.iter().all(|d| d.domain.wide_cq_data()),
+            own_tag: crate::epoch::draw_tag(|_| false)?,
+            tags_by_peer: HashMap::new(),
+            tags_by_dest: (0..domains.len()).map(|_| HashMap::new()).collect(),
+            readmits: HashMap::new(),
+            received: ReceivedEpochs::default(),
             domains,
         })
     }
@@ -327,7 +353,8 @@ impl Worker {
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Register { region, ptr, len, kind, network, reply } => {
+            Command::Register { region, ptr, len, kind, network, gpu_registration, reply } => {
+                let mut nic = None;
                 let mrs: Result<Vec<LocalMr>> = match (network, kind) {
                     (false, _) => Ok(Vec::new()),
                     (true, MemoryKind::Host) => self
@@ -335,14 +362,21 @@ impl Worker {
                         .iter_mut()
                         .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
                         .collect(),
-                    (true, MemoryKind::Cuda(device)) => {
-                        self.domains.iter_mut().map(|d| d.domain.register_cuda(ptr as *mut u8, len, device)).collect()
-                    }
+                    (true, MemoryKind::Cuda(device)) => self
+                        .domains
+                        .iter_mut()
+                        .map(|d| {
+                            let (mr, how) = d.domain.register_cuda(ptr as *mut u8, len, device, gpu_registration)?;
+                            // Reported: the fallback where domains differ.
+                            nic = nic.max(Some(how));
+                            Ok(mr)
+                        })
+                        .collect(),
                 };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
                     self.regions.insert(region, Region { mrs, ptr, kind, in_flight: 0 });
-                    keys
+                    (keys, nic)
                 });
                 let _ = reply.send(result);
             }
@@ -375,9 +409,7 @@ impl Worker {
                     }
                 }
             }
-            Command::Readmit { peer, reply } => {
-                let _ = reply.send(Ok(self.fenced.remove(&peer)));
-            }
+            Command::Readmit { peer, max_message_size, reply } => self.start_readmit(peer, max_message_size, reply),
             Command::Stop => return false,
         }
         true
@@ -553,21 +585,22 @@ impl Worker {
         match self.domains[0].domain.resolve_peer(&target.addresses[0]) {
             Ok(dest) => {
                 self.keep_peers(id, vec![target]);
-                self.queue_send(id, dest, data)
+                self.queue_send(id, dest, data, None)
             }
             Err(e) => self.finish(id, Err(e)),
         }
     }
 
     /// Copies a message into a free send buffer (of domain 0) and posts it, or waits for one.
-    fn queue_send(&mut self, request: u64, dest: u64, data: Vec<u8>) {
+    fn queue_send(&mut self, request: u64, dest: u64, data: Vec<u8>, cq_data: Option<u64>) {
         let d = &mut self.domains[0];
         match d.free_send_slots.pop() {
             Some(slot) => {
                 d.send_buffers.fill(slot, &data);
-                self.post_or_queue(0, PendingPost { request, op: Op::Send { slot, len: data.len(), dest } });
+                let op = Op::Send { slot, len: data.len(), dest, data: cq_data };
+                self.post_or_queue(0, PendingPost { request, op });
             }
-            None => self.waiting_sends.push_back((request, dest, data)),
+            None => self.waiting_sends.push_back((request, dest, data, cq_data)),
         }
     }
 
@@ -642,13 +675,17 @@ impl Worker {
             Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
         };
         let context = Box::into_raw(OpContext::new(kind));
+        let imm_data = match post.op {
+            Op::Write { imm: Some(imm), dest, .. } => Some(self.cq_data(domain, dest, imm)),
+            _ => None,
+        };
         let d = &mut self.domains[domain];
         // SAFETY: the source memory is registered (regions keep their MRs until no operation is
         // in flight; library buffers live as long as the worker) and `context` stays allocated
         // until its completion is read or the worker shuts down.
         let posted = unsafe {
             match post.op {
-                Op::Write { region, ptr, len, dest, remote_addr, key, imm, delivery } => {
+                Op::Write { region, ptr, len, dest, remote_addr, key, delivery, .. } => {
                     let desc = if region == SCRATCH_REGION {
                         d.scratch.desc()
                     } else {
@@ -663,12 +700,22 @@ impl Worker {
                             }
                         }
                     };
-                    d.domain.post_write(ptr as *const u8, len, desc, dest, remote_addr, key, imm, delivery, context)
+                    d.domain.post_write(
+                        ptr as *const u8,
+                        len,
+                        desc,
+                        dest,
+                        remote_addr,
+                        key,
+                        imm_data,
+                        delivery,
+                        context,
+                    )
                 }
-                Op::Send { slot, len, dest } => {
+                Op::Send { slot, len, dest, data } => {
                     let ptr = d.send_buffers.slot_ptr(slot);
                     let desc = d.send_buffers.desc();
-                    d.domain.post_send(ptr, len, desc, dest, self.delivery, context)
+                    d.domain.post_send(ptr, len, desc, dest, self.delivery, data, context)
                 }
             }
         };
@@ -755,9 +802,7 @@ impl Worker {
             self.same_host_done = done;
         }
         if !self.imm_batch.is_empty() {
-            let batch: Vec<(u32, u32)> = self.imm_batch.drain().collect();
-            let events = self.imm.add_batch(&batch);
-            self.callbacks.push_imm_events(events);
+            self.count_imm_batch();
         }
         self.flush_done();
         active
@@ -801,11 +846,15 @@ impl Worker {
                 Some(kind) => self.finish_op(kind, Ok(())),
                 None => tracing::warn!("completion with an unknown context"),
             },
-            Completion::RemoteImm { imm, context } => {
-                *self.imm_batch.entry(imm).or_default() += 1;
+            Completion::RemoteImm { data, context, len } => {
                 if let Some(OpKind::Recv { slot, domain }) = self.take_context(context) {
+                    if !self.domains[domain as usize].domain.imm_consumes_recv() {
+                        // A receive only completes with CQ data for a message sent with it.
+                        return self.on_control(domain, slot, len, data);
+                    }
                     self.domains[domain as usize].recv_to_post.push(slot); // FI_RX_CQ_DATA
                 }
+                self.on_remote_imm(data);
             }
             Completion::Failed { context, message } => match self.take_context(context) {
                 Some(OpKind::Recv { slot, domain }) => {
@@ -928,9 +977,9 @@ impl Worker {
 
     fn release_send_slot(&mut self, slot: usize) {
         self.domains[0].free_send_slots.push(slot);
-        while let Some((request, dest, data)) = self.waiting_sends.pop_front() {
+        while let Some((request, dest, data, cq_data)) = self.waiting_sends.pop_front() {
             if self.requests.contains_key(&request) {
-                self.queue_send(request, dest, data);
+                self.queue_send(request, dest, data, cq_data);
                 break;
             }
         }
@@ -939,6 +988,7 @@ impl Worker {
     /// Fails requests older than the transfer timeout (a peer that stopped answering).
     fn expire_requests(&mut self) {
         let now = Instant::now();
+        self.expire_readmits(now);
         while let Some(&(deadline, id)) = self.deadlines.front() {
             if deadline > now {
                 break;
@@ -965,6 +1015,9 @@ impl Worker {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }
         self.waiting_sends.clear();
+        for (_, readmit) in self.readmits.drain() {
+            let _ = readmit.reply.send(Err(FabricError::Stopped));
+        }
         while let Ok(cmd) = self.rx.try_recv() {
             if let Some(on_done) = cmd.into_stopped() {
                 self.notify(on_done, Err(FabricError::Stopped));

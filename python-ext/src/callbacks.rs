@@ -1,5 +1,6 @@
 //! Turning Python callables into Rust callbacks that run on the engine's callback thread.
 //! Each attaches to the interpreter only while it is alive, and logs (never propagates) errors.
+use std::cell::Cell;
 use std::sync::Arc;
 
 use fabric_lib::{GenericImmCallback, OnDone, OnReached, RecvCallback, WatcherCallback};
@@ -22,11 +23,32 @@ fn log_callback_error(py: Python<'_>, err: PyErr) {
     }
 }
 
+thread_local! {
+    static THREAD_STATE_KEPT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Keeps this thread's Python thread state alive between callbacks. A Rust thread that attaches
+/// to the interpreter gets a fresh thread state on every attach, and creating and deleting one
+/// costs several microseconds of each callback's latency; the engine's callback and watcher
+/// threads call into Python again and again. Called while attached: one extra `PyGILState_Ensure`
+/// that is never released keeps the state (the GIL itself is still released after each call).
+fn keep_thread_state() {
+    THREAD_STATE_KEPT.with(|kept| {
+        if !kept.get() {
+            kept.set(true);
+            // SAFETY: the caller holds the GIL (inside `Python::try_attach`), so the interpreter
+            // is initialized; the nested ensure only bumps this thread's gilstate counter.
+            unsafe { pyo3::ffi::PyGILState_Ensure() };
+        }
+    });
+}
+
 fn call_logged(
     callback: &Py<PyAny>,
     make_args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>,
 ) {
     let _ = Python::try_attach(|py| {
+        keep_thread_state();
         let result = make_args(py).and_then(|args| callback.bind(py).call1(args));
         if let Err(err) = result {
             log_callback_error(py, err);

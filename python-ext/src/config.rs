@@ -4,7 +4,7 @@
 //! `InvalidArgumentError` naming the option.
 use std::time::Duration;
 
-use fabric_lib::{EngineConfig, FabricError, PollMode, WriteCompletion};
+use fabric_lib::{EngineConfig, FabricError, GpuRegistration, PollMode, WriteCompletion};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -66,6 +66,10 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
             }
             "gpu_network" => config.gpu_network = Some(value.extract().map_err(wrong)?),
             "force_network" => config.force_network = value.extract().map_err(wrong)?,
+            "gpu_registration" => {
+                config.gpu_registration =
+                    GpuRegistration::parse(&value.extract::<String>().map_err(wrong)?).map_err(|e| to_pyerr(py, e))?
+            }
             "transfer_timeout" => config.transfer_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "command_timeout" => config.command_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "max_message_size" => config.max_message_size = value.extract().map_err(wrong)?,
@@ -100,6 +104,7 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("uvm_watcher_cpu", c.uvm_watcher_cpu)?;
     d.set_item("gpu_network", c.gpu_network)?;
     d.set_item("force_network", c.force_network)?;
+    d.set_item("gpu_registration", c.gpu_registration.name())?;
     d.set_item(
         "write_completion",
         match c.write_completion {

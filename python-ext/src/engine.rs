@@ -3,7 +3,7 @@
 
 use fabric_lib::{
     DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, ProviderSpec, ScatterSharding,
-    ScatterTarget, TransferEngine, WriteRequest,
+    ScatterTarget, TransferEngine, WatcherRunsOn, WriteRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -91,11 +91,31 @@ impl PyTransferEngine {
         Ok((handle.0, PyMrDescriptor(desc)))
     }
 
-    /// A UVM watcher on `device`: `callback(old, new)` runs on the callback thread per change.
-    #[pyo3(signature = (callback, device=0))]
-    fn alloc_uvm_watcher(&self, py: Python<'_>, callback: Py<PyAny>, device: usize) -> PyResult<PyUvmWatcher> {
+    /// How a registration reached the NIC: "host" (host memory), "dmabuf" or "cuda" (GPU memory
+    /// through DMA-BUF or the CUDA interface), or "same-host" (GPU memory the NIC cannot reach).
+    fn region_registration(&self, py: Python<'_>, handle: u64) -> PyResult<&'static str> {
+        let handle = fabric_lib::MrHandle(handle);
+        let kind = self.engine.region_kind(handle).py(py)?;
+        Ok(match (kind, self.engine.region_nic_registration(handle).py(py)?) {
+            (_, Some(how)) => how.name(),
+            (MemoryKind::Host, None) => "host",
+            (MemoryKind::Cuda(_), None) => "same-host",
+        })
+    }
+
+    /// A UVM watcher on `device`: `callback(old, new)` runs per change on the callback thread,
+    /// or with `inline` on the watcher thread itself.
+    #[pyo3(signature = (callback, device=0, inline=false))]
+    fn alloc_uvm_watcher(
+        &self,
+        py: Python<'_>,
+        callback: Py<PyAny>,
+        device: usize,
+        inline: bool,
+    ) -> PyResult<PyUvmWatcher> {
         let cb = callbacks::on_watch(callback);
-        py.detach(|| self.engine.alloc_uvm_watcher(device, cb)).py(py).map(PyUvmWatcher)
+        let runs_on = if inline { WatcherRunsOn::WatcherThread } else { WatcherRunsOn::CallbackThread };
+        py.detach(|| self.engine.alloc_uvm_watcher_on(device, cb, runs_on)).py(py).map(PyUvmWatcher)
     }
 
     /// A GPU flag (mapped pinned host memory) for `device`.
@@ -276,10 +296,23 @@ impl PyTransferEngine {
         py.detach(|| self.engine.wait_imm_count(imm, count, timeout)).py(py)
     }
 
-    /// Lifts the fence a timed-out request put on `peer`; returns whether it was fenced.
-    fn readmit_peer(&self, py: Python<'_>, peer: PyRef<'_, PyEngineAddress>) -> PyResult<bool> {
+    /// Lifts the fence a timed-out request put on `peer` (a handshake where the provider
+    /// carries epochs); returns (whether it was fenced, what the peer counted from this engine
+    /// in the epoch that ended, per immediate, or None where unknown).
+    fn readmit_peer(
+        &self,
+        py: Python<'_>,
+        peer: PyRef<'_, PyEngineAddress>,
+    ) -> PyResult<(bool, Option<std::collections::HashMap<u32, u64>>)> {
         let peer = peer.0.clone();
-        py.detach(|| self.engine.readmit_peer(&peer)).py(py)
+        let r = py.detach(|| self.engine.readmit_peer(&peer)).py(py)?;
+        Ok((r.fenced, r.counted))
+    }
+
+    /// Immediates refused for belonging to a writer's epoch that ended (late deliveries).
+    #[getter]
+    fn stale_immediates(&self) -> u64 {
+        self.engine.stale_immediates()
     }
 
     /// Consumes `count` arrivals of `imm` if all are there (atomic check-and-take).

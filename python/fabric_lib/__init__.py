@@ -10,7 +10,7 @@ from ._loader import load_native
 load_native()  # first: a missing libfabric gets an ImportError saying what to install
 
 from ._rust import ENCODING_VERSION, engine_defaults, list_providers
-from .engine import EngineAddress, MemoryRegion, MrDescriptor, TransferEngine
+from .engine import EngineAddress, MemoryRegion, MrDescriptor, Readmission, TransferEngine
 from .errors import (
     CallbackThreadError,
     CudaError,
@@ -42,6 +42,7 @@ __all__ = [
     "MemoryRegion",
     "MrDescriptor",
     "ProviderUnavailableError",
+    "Readmission",
     "TransferEngine",
     "TransferError",
     "engine_defaults",

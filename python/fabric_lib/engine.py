@@ -13,6 +13,7 @@ import ctypes
 import threading
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, overload
 
 from . import _fork, _rust
@@ -35,24 +36,55 @@ __all__ = [
     "MemoryRegion",
     "MrDescriptor",
     "Peer",
+    "Readmission",
     "TransferEngine",
     "UvmWatcher",
 ]
 
 
+@dataclass(frozen=True)
+class Readmission:
+    """What ``TransferEngine.readmit_peer`` found and did. True when the peer was fenced.
+
+    ``counted`` maps each immediate value to how many requests of the epoch that ended (since
+    the engine started or the last re-admission of that peer) the peer counted, including
+    requests that timed out or were still in flight. The peer drops later deliveries of that
+    epoch (its ``stale_immediates`` counts them), so a request whose immediate is not in
+    ``counted`` never will be: resend exactly those and each immediate is counted once. Give
+    requests distinct immediates to tell them apart. ``None`` when the peer was not fenced, or
+    where the provider's CQ data cannot carry epochs (4 bytes: efa, verbs), so what landed is
+    unknown.
+    """
+
+    fenced: bool
+    counted: dict[int, int] | None
+
+    def __bool__(self) -> bool:
+        return self.fenced
+
+
 class MemoryRegion:
     """A local registration: its handle, its descriptor for peers, and what keeps it alive."""
 
-    __slots__ = ("handle", "descriptor", "length", "_owner")
+    __slots__ = ("handle", "descriptor", "length", "registration", "_owner")
 
-    def __init__(self, handle: int, descriptor: MrDescriptor, length: int, owner: Any) -> None:
+    def __init__(
+        self, handle: int, descriptor: MrDescriptor, length: int, owner: Any, registration: str = "host"
+    ) -> None:
         self.handle = handle
         self.descriptor = descriptor
         self.length = length
+        #: How the memory reached the NIC: "host" (host memory), "dmabuf" or "cuda" (GPU memory
+        #: registered through DMA-BUF or by address with the CUDA interface), or "same-host" (GPU
+        #: memory the NIC cannot reach: CUDA IPC peers only).
+        self.registration = registration
         self._owner = owner  # the tensor/buffer whose memory is registered
 
     def __repr__(self) -> str:
-        return f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind})"
+        return (
+            f"MemoryRegion(handle={self.handle}, length={self.length}, kind={self.descriptor.kind}, "
+            f"registration={self.registration})"
+        )
 
     @property
     def kind(self) -> str:
@@ -189,11 +221,17 @@ class TransferEngine:
             [None]. ``engine.gpu_network`` says whether it took effect.
         force_network: carry same-host transfers that involve GPU memory over the provider, as
             between two hosts, instead of CUDA IPC (tests and benchmarks) [False].
+        gpu_registration: how GPU memory is registered with the NIC where the provider has
+            FI_HMEM: "auto" (DMA-BUF where the running libfabric has it, 1.20 or newer, else or
+            when refused by address with the CUDA interface), "dmabuf" or "cuda" (only that
+            way; a refusal fails the registration) ["auto"]. ``region.registration`` says which.
 
     Timeouts: a request not completed within ``transfer_timeout`` fails with
     ``FabricTimeoutError`` and its peer is *fenced*: later requests to it fail at once with
     ``PeerFencedError`` until ``readmit_peer(address)``. Whether a timed-out request landed (and
-    its immediate was counted) is unknown, so resending it blindly could count an immediate twice.
+    its immediate was counted) is unknown at that point, so resending it blindly could count an
+    immediate twice; ``readmit_peer`` returns what the peer counted (``Readmission``) and the
+    peer drops what arrives later, so resending the requests missing there is safe.
 
     Out-of-range values raise ``InvalidArgumentError`` before anything is allocated. An engine
     that is garbage-collected without ``stop()`` stops itself first.
@@ -228,6 +266,7 @@ class TransferEngine:
         write_completion: Literal["auto", "delivery", "transmit"] | None = None,
         gpu_network: bool | None = None,
         force_network: bool | None = None,
+        gpu_registration: Literal["auto", "dmabuf", "cuda"] | None = None,
     ) -> None:
         if isinstance(domain, str) or domain is None:
             domains = [] if domain is None else [domain]
@@ -253,6 +292,7 @@ class TransferEngine:
             "write_completion": write_completion,
             "gpu_network": gpu_network,
             "force_network": force_network,
+            "gpu_registration": gpu_registration,
         }
         native = _rust.TransferEngine(
             provider, domains, **{k: v for k, v in options.items() if v is not None}
@@ -351,7 +391,7 @@ class TransferEngine:
 
     def _register(self, ptr: int, length: int, owner: Any, device: int | None = None) -> MemoryRegion:
         handle, descriptor = self._native.register_memory(ptr, length, device)
-        region = MemoryRegion(handle, descriptor, length, owner)
+        region = MemoryRegion(handle, descriptor, length, owner, self._native.region_registration(handle))
         with self._lock:
             self._regions[handle] = region
         return region
@@ -653,9 +693,15 @@ class TransferEngine:
         self._native.submit_send(_as_address(peer), bytes(data), callback)
         return future
 
-    def readmit_peer(self, peer: EngineAddress | bytes) -> bool:
-        """Lifts the fence a timed-out request put on ``peer``; returns whether it was fenced."""
-        return self._native.readmit_peer(_as_address(peer))
+    def readmit_peer(self, peer: EngineAddress | bytes) -> Readmission:
+        """Lifts the fence a timed-out request put on ``peer`` (nothing to do if there is none).
+
+        On tcp, udp;ofi_rxd, shm and sockets this is a handshake bounded by ``transfer_timeout``:
+        the peer stops counting this engine's immediates of the epoch that ended and reports what
+        it counted under it (``Readmission.counted``). If the peer does not answer, this raises
+        ``FabricTimeoutError`` and the peer stays fenced; call it again."""
+        fenced, counted = self._native.readmit_peer(_as_address(peer))
+        return Readmission(fenced, counted)
 
     @property
     def gpu_network(self) -> bool:
@@ -668,18 +714,30 @@ class TransferEngine:
         ignored the limit their address carries)."""
         return self._native.refused_messages
 
+    @property
+    def stale_immediates(self) -> int:
+        """Immediates refused because a writer's epoch had ended: the writer timed out on its
+        requests to this engine and re-admitted it before they were delivered. Never counted."""
+        return self._native.stale_immediates
+
     def set_recv_callback(self, callback: Callable[[bytes], None] | None) -> None:
         """Installs the callback receiving every message; messages that arrived earlier are
         delivered once it is set."""
         self._native.set_recv_callback(None if callback is None else guarded(callback))
 
     # -- GPU signalling ---------------------------------------------------------------------
-    def alloc_uvm_watcher(self, callback: Callable[[int, int], None], device: int = 0) -> UvmWatcher:
+    def alloc_uvm_watcher(
+        self, callback: Callable[[int, int], None], device: int = 0, *, inline: bool = False
+    ) -> UvmWatcher:
         """A 64-bit word in mapped pinned host memory that kernels (also inside CUDA graphs) write
         at ``watcher.ptr``; a polling thread per device calls ``callback(old, new)`` on the
         engine's callback thread after each change it sees (fast successive writes coalesce:
-        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching."""
-        return self._native.alloc_uvm_watcher(guarded(callback), device)
+        ``new`` is the latest value). ``watcher.close()`` (or dropping it) stops watching.
+
+        ``inline=True`` runs the callback on the polling thread itself: no hand-off to the
+        callback thread (lower latency), but the device's other watchers wait while it runs,
+        so keep it short."""
+        return self._native.alloc_uvm_watcher(guarded(callback), device, inline)
 
     def alloc_gpu_flag(self, device: int = 0) -> GpuFlag:
         """A 64-bit flag kernels poll at ``flag.ptr``; ``flag.set(v)`` from the CPU, or let an

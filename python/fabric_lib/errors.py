@@ -44,7 +44,8 @@ class FabricTimeoutError(FabricError, TimeoutError):
 class PeerFencedError(FabricTimeoutError):
     """An earlier request to this peer timed out, so the engine sends it nothing more until
     ``TransferEngine.readmit_peer(address)``. A timed-out request may or may not have landed (and
-    been counted); re-admit only once the application knows what the peer received."""
+    been counted); ``readmit_peer`` reports what the peer counted and makes it drop the rest, so
+    resending exactly the missing requests counts each immediate once."""
 
 
 class EngineStoppedError(FabricError):

@@ -20,10 +20,16 @@ from fabric_lib.testing import spawn_ranks
 TIMEOUT = 30.0
 
 
-def _net_engine() -> fabric_lib.TransferEngine:
-    """An shm engine that registers GPU memory with the provider and never takes CUDA IPC."""
+def _net_engine(mode: str = "auto") -> fabric_lib.TransferEngine:
+    """An shm engine that registers GPU memory with the provider (``gpu_registration=mode``)
+    and never takes CUDA IPC."""
     return fabric_lib.TransferEngine(
-        "shm", poll_mode="adaptive", gpu_network=True, force_network=True, transfer_timeout=TIMEOUT
+        "shm",
+        poll_mode="adaptive",
+        gpu_network=True,
+        force_network=True,
+        gpu_registration=mode,  # type: ignore[arg-type]
+        transfer_timeout=TIMEOUT,
     )
 
 
@@ -63,9 +69,35 @@ def test_forced_network_path_refuses_unregistered_gpu_memory_with_a_reason() -> 
             a.submit_write(src, dst)
 
 
+def skip_unless_gpu_network(mode: str = "auto") -> None:
+    """Skips where the machine lacks what GPU memory on shm needs (with ``mode``); any other
+    refusal fails the test."""
+    if not _has_gpu():
+        pytest.skip("needs a CUDA GPU")
+    with _net_engine() as probe:
+        if not probe.gpu_network:
+            pytest.skip("this libfabric's shm has no FI_HMEM (build one with scripts/build_libfabric.sh)")
+        region = probe.register_tensor(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
+        if region.registration == "same-host":
+            pytest.skip(
+                "this libfabric's shm offers FI_HMEM but cannot register CUDA memory (built without CUDA)"
+            )
+    if mode != "dmabuf":
+        return
+    with _net_engine("dmabuf") as probe:
+        try:
+            region = probe.register_tensor(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
+        except ProviderUnavailableError as e:
+            if "1.20" in str(e) or "cannot export DMA-BUF" in str(e):
+                pytest.skip(f"no DMA-BUF here: {e}")
+            raise
+        assert region.registration == "dmabuf"
+        assert region.descriptor.network_reachable
+
+
 class _Receiver:
-    def __init__(self, nbytes: int) -> None:
-        self.engine = _net_engine()
+    def __init__(self, nbytes: int, mode: str) -> None:
+        self.engine = _net_engine(mode)
         self.dst = {
             "gpu": torch.zeros(nbytes, dtype=torch.uint8, device="cuda"),
             "host": torch.zeros(nbytes, dtype=torch.uint8),
@@ -74,16 +106,16 @@ class _Receiver:
         torch.cuda.synchronize()
 
 
-def open_receiver(nbytes: int) -> _Receiver:
-    return _Receiver(nbytes)
+def open_receiver(nbytes: int, mode: str = "auto") -> _Receiver:
+    return _Receiver(nbytes, mode)
 
 
 def stop_receiver(rx: _Receiver) -> None:
     rx.engine.stop()
 
 
-def descriptors(rx: _Receiver) -> dict[str, bytes]:
-    return {k: r.descriptor.to_bytes() for k, r in rx.regions.items()}
+def describe(rx: _Receiver) -> dict[str, tuple[bytes, str]]:
+    return {k: (r.descriptor.to_bytes(), r.registration) for k, r in rx.regions.items()}
 
 
 def take(rx: _Receiver, imm: int, n: int, which: str, start: int, length: int) -> bytes:
@@ -91,6 +123,7 @@ def take(rx: _Receiver, imm: int, n: int, which: str, start: int, length: int) -
     and zeroes it."""
     with rx.engine.imm_counter(imm) as c:
         c.wait(n, timeout=TIMEOUT)
+    torch.cuda.synchronize()  # shm's CUDA IPC copies run on the legacy stream (docs/gpu.md)
     t = rx.dst[which]
     data = t[start : start + length].cpu().numpy().tobytes()
     t.zero_()
@@ -98,28 +131,28 @@ def take(rx: _Receiver, imm: int, n: int, which: str, start: int, length: int) -
     return data
 
 
-def test_gpu_memory_over_the_network_path() -> None:
-    if not _has_gpu():
-        pytest.skip("needs a CUDA GPU")
-    with _net_engine() as probe:
-        if not probe.gpu_network:
-            pytest.skip("this libfabric's shm has no FI_HMEM (build one with scripts/build_libfabric.sh)")
-        region = probe.register_tensor(torch.zeros(64, dtype=torch.uint8, device="cuda"))
-        if not region.descriptor.network_reachable:
-            pytest.skip(
-                "this libfabric's shm offers FI_HMEM but cannot register CUDA memory (built without CUDA)"
-            )
+@pytest.mark.parametrize("mode", ["dmabuf", "cuda"])
+def test_gpu_memory_over_the_network_path(mode: str) -> None:
+    """Every registration mode (``gpu_registration``) moves GPU memory byte-exact."""
+    skip_unless_gpu_network(mode)
     nbytes = 32 << 20
     with spawn_ranks(
-        1, setup=open_receiver, setup_kwargs={"nbytes": nbytes}, teardown=stop_receiver, timeout=120
+        1,
+        setup=open_receiver,
+        setup_kwargs={"nbytes": nbytes, "mode": mode},
+        teardown=stop_receiver,
+        timeout=120,
     ) as (rx,):
-        remote = {k: fabric_lib.MrDescriptor.from_bytes(v) for k, v in rx.call(descriptors).items()}
+        described = rx.call(describe)
+        remote = {k: fabric_lib.MrDescriptor.from_bytes(d) for k, (d, _) in described.items()}
+        assert described["gpu"][1] == mode and described["host"][1] == "host"
         assert remote["gpu"].network_reachable, "the receiver's GPU region is registered with the NIC"
-        with _net_engine() as w:
+        with _net_engine(mode) as w:
             gen = torch.Generator().manual_seed(7)
             src_host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
             src_gpu = src_host.to("cuda")
             regions = {"gpu": w.register_tensor(src_gpu), "host": w.register_tensor(src_host)}
+            assert regions["gpu"].registration == mode
             torch.cuda.synchronize()
             rng = random.Random(11)
             imm = 300
@@ -139,7 +172,7 @@ def test_gpu_memory_over_the_network_path() -> None:
                     ).result(timeout=TIMEOUT)
                     got = pending.result(TIMEOUT + 10)
                     want = src_host[src_off : src_off + size].numpy().tobytes()
-                    assert got == want, f"{src_kind}->{dst_kind} {size} bytes at {src_off}->{dst_off}"
+                    assert got == want, f"{mode}: {src_kind}->{dst_kind} {size} bytes at {src_off}->{dst_off}"
             # Paged 64 KiB GPU -> GPU, and 1000 consecutive requests counted exactly.
             page, pages = 64 << 10, 256
             src_pages = [rng.randrange(pages) for _ in range(128)]

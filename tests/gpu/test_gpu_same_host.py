@@ -449,6 +449,39 @@ def test_uvm_watcher_sees_graph_replays_monotone() -> None:
         w.close()
 
 
+@needs_gpu
+@needs_kernels
+@pytest.mark.gpu
+def test_inline_uvm_watcher_runs_on_the_watcher_thread_and_survives_a_raising_callback() -> None:
+    """``inline=True``: the callback runs on the polling thread, not the callback thread; an
+    exception in it is contained and later changes are still reported."""
+    with _engine() as e:
+        threads: dict[str, set[int]] = {"queued": set(), "inline": set()}
+        seen: list[int] = []
+
+        def queued(old: int, new: int) -> None:
+            threads["queued"].add(threading.get_native_id())
+
+        def inline(old: int, new: int) -> None:
+            threads["inline"].add(threading.get_native_id())
+            seen.append(new)
+            if new == 1:
+                raise RuntimeError("a raising inline callback")
+
+        wq = e.alloc_uvm_watcher(queued, device=0)
+        wi = e.alloc_uvm_watcher(inline, device=0, inline=True)
+        s = fcuda.SignalStream(0)
+        for v in (1, 2):
+            s.write_u64(wq.ptr, v)
+            s.write_u64(wi.ptr, v)
+            assert s.synchronize(10)
+            assert _wait_for(lambda v=v: bool(seen) and seen[-1] == v), seen
+        assert _wait_for(lambda: bool(threads["queued"]))
+        assert threads["inline"] and not threads["inline"] & threads["queued"], threads
+        wq.close()
+        wi.close()
+
+
 # -- GPU flags ---------------------------------------------------------------------------------
 
 

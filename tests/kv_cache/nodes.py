@@ -264,7 +264,40 @@ class NodeState:
 
     def pending(self) -> dict[str, tuple[bool, int, int]]:
         """Decoder requests: (done, expected immediates, immediates counted so far)."""
-        return {k: (r.future.done(), r.expected, r.counter.value) for k, r in self.requests.items()}
+        return {k: (r.future.done(), r.expected, r.arrived()) for k, r in self.requests.items()}
+
+    def begin_pass(self, name: str, rid: str, blocks: list[int], num_tokens: int) -> None:
+        """Prefill: one forward pass over the whole prompt of ``rid``; layers are released one
+        by one with ``release_layer``."""
+        ep = self.endpoints[name]
+        self.send_futures[f"{name}/{rid}"] = ep.add_request(rid, blocks, num_tokens)
+        self.passes = getattr(self, "passes", {})
+        self.passes[name] = ep.begin_forward({rid: num_tokens})
+
+    def send_context(self, name: str, rid: str, n: int) -> None:
+        self.endpoints[name].send_context(rid, context_bytes(rid, n))
+
+    def release_layer(self, name: str, layer: int) -> None:
+        self.passes[name].layer_ready(layer)
+
+    def layer_loaded(self, name: str, rid: str, layer: int, within: float) -> str | None:
+        """Decoder: None once ``layer`` landed, else the error's class name."""
+        try:
+            self.requests[f"{name}/{rid}"].wait_for_layer(layer, within)
+            return None
+        except Exception as e:  # noqa: BLE001 - reported by name
+            return type(e).__name__
+
+    def layer_matches(
+        self, name: str, layer: int, p_seed: int, p_blocks: list[int], d_blocks: list[int]
+    ) -> bool:
+        """Whether ``layer``'s pages in ``d_blocks`` hold the prefiller's shard."""
+        ep, spec = self.endpoints[name], self.specs[name]
+        want = shard(
+            ep.layout, global_pages(ep.layout, p_seed, layer, P_BLOCKS), spec["tp_size"], spec["tp_rank"]
+        )
+        got = self.caches[name][layer].view(-1).view(__import__("torch").uint8).numpy().reshape(D_BLOCKS, -1)
+        return bool(np.array_equal(got[d_blocks], want[p_blocks].reshape(len(p_blocks), -1)))
 
     def pause(self, seconds: float) -> None:
         threading.Event().wait(seconds)
@@ -288,16 +321,21 @@ def layer_kv(cache: Any, layer: int) -> tuple[Any, Any]:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
-def pages_from_kv(layout: Any, cache: Any, blocks: list[int], k: Any, v: Any, lo: int, hi: int) -> None:
+def pages_from_kv(layout: Any, cache: Any, blocks: Any, k: Any, v: Any, lo: int, hi: int) -> None:
     """Writes tokens ``[lo, hi)`` of one layer's K/V (``[1, heads, tokens, head_dim]``) into
-    the paged ``cache``."""
-    for t in range(lo, hi):
-        b, o = blocks[t // layout.block_size], t % layout.block_size
-        for kv, src in ((0, k), (1, v)):
-            if layout.kind == "nhd":
-                cache[b, kv, o] = src[0, :, t]
-            else:
-                cache[b, kv, :, o] = src[0, :, t]
+    the paged ``cache`` (index kernels only, so it can run inside a CUDA graph capture;
+    ``blocks`` may be a list or a tensor on the cache's device)."""
+    import torch
+
+    blocks = torch.as_tensor(blocks, device=cache.device)
+    t = torch.arange(lo, hi, device=cache.device)
+    b, o = blocks[t // layout.block_size], t % layout.block_size
+    for kv, src in ((0, k), (1, v)):
+        rows = src[0, :, lo:hi].transpose(0, 1)  # [tokens, heads, head_dim]
+        if layout.kind == "nhd":
+            cache[b, kv, o] = rows
+        else:
+            cache[b, kv, :, o] = rows
 
 
 def kv_from_pages(layout: Any, cache: Any, blocks: list[int], n: int) -> tuple[Any, Any]:

@@ -285,13 +285,14 @@ def test_prefiller_joining_after_the_decoders_started(pair) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_immediates_are_reused_after_completion_and_cancel() -> None:
-    """A decoder owning two immediate values serves many requests in turn (a cancelled one
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_immediates_are_reused_after_completion_and_cancel(layerwise) -> None:
+    """A decoder owning two immediate slots serves many requests in turn (a cancelled one
     included); a third concurrent request is refused with KvCapacityError."""
     p = spawn_node("prefill", prefill_specs(LAYOUT, "p1", 1, chunk_tokens=8))
     d = None
     try:
-        d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1, imm_count=2))
+        d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1, imm_count=2, layerwise=layerwise))
         d.call(NodeState.connect, name="d1r0", addresses=list(p.addresses.values()))
         for i in range(6):
             rid = f"seq{i}"
@@ -340,6 +341,77 @@ def test_immediates_are_reused_after_completion_and_cancel() -> None:
                 blocks=list(range(50, 60)),
                 num_tokens=N_TOKENS,
             )
+    finally:
+        for n in (d, p):
+            if n is not None:
+                n.close()
+
+
+@pytest.mark.timeout(120)
+def test_layerwise_loading_releases_each_layer_as_it_lands() -> None:
+    """With ``layerwise=True`` a decoder learns of each layer on its own: a layer the prefiller
+    released is loaded (and byte-exact) while later layers still time out and hold no bytes;
+    a cancel after some layers settles with the layers that landed."""
+    p = spawn_node("prefill", prefill_specs(LAYOUT, "p1", 1))
+    d = None
+    try:
+        d = spawn_node("decode", decode_specs(LAYOUT, "d1", 1, layerwise=True))
+        d.call(NodeState.connect, name="d1r0", addresses=list(p.addresses.values()))
+        d.call(NodeState.fill, name="d1r0", value=SENTINEL)
+        d.call(
+            NodeState.request, name="d1r0", rid="lw", instance="p1", blocks=D_BL, num_tokens=N_TOKENS, ctx=8
+        )
+        p.call(NodeState.begin_pass, name="p1r0", rid="lw", blocks=P_BL, num_tokens=N_TOKENS)
+        for layer in range(LAYOUT.num_layers):
+            p.call(NodeState.release_layer, name="p1r0", layer=layer)
+            assert d.call(NodeState.layer_loaded, name="d1r0", rid="lw", layer=layer, within=10) is None
+            assert d.call(
+                NodeState.layer_matches,
+                name="d1r0",
+                layer=layer,
+                p_seed=SEEDS["p1"],
+                p_blocks=P_BL,
+                d_blocks=D_BL,
+            )
+            for later in range(layer + 1, LAYOUT.num_layers):
+                assert (
+                    d.call(NodeState.layer_loaded, name="d1r0", rid="lw", layer=later, within=0.2)
+                    == "FabricTimeoutError"
+                )
+                assert not d.call(
+                    NodeState.layer_matches,
+                    name="d1r0",
+                    layer=later,
+                    p_seed=SEEDS["p1"],
+                    p_blocks=P_BL,
+                    d_blocks=D_BL,
+                )
+        assert d.call(NodeState.pending)["d1r0/lw"][0] is False  # the context is still missing
+        p.call(NodeState.send_context, name="p1r0", rid="lw", n=8)
+        assert (
+            d.call(
+                NodeState.check,
+                name="d1r0",
+                rid="lw",
+                p_seed=SEEDS["p1"],
+                p_blocks=P_BL,
+                d_blocks=D_BL,
+                ctx=8,
+            )
+            == []
+        )
+        # cancelled after one of three layers: the layer landed, the others fail with the cancel
+        d.call(NodeState.fill, name="d1r0", value=SENTINEL)
+        d.call(NodeState.request, name="d1r0", rid="lw2", instance="p1", blocks=D_BL, num_tokens=N_TOKENS)
+        p.call(NodeState.begin_pass, name="p1r0", rid="lw2", blocks=P_BL, num_tokens=N_TOKENS)
+        p.call(NodeState.release_layer, name="p1r0", layer=0)
+        assert d.call(NodeState.layer_loaded, name="d1r0", rid="lw2", layer=0, within=10) is None
+        d.call(NodeState.cancel, name="d1r0", rid="lw2")
+        assert (
+            d.call(NodeState.layer_loaded, name="d1r0", rid="lw2", layer=1, within=1)
+            == "KvRequestCancelledError"
+        )
+        assert d.call(NodeState.outcome, name="d1r0", rid="lw2")[0] == "KvRequestCancelledError"
     finally:
         for n in (d, p):
             if n is not None:

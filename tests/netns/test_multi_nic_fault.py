@@ -192,7 +192,7 @@ def scenario_fault(_state: None, sync_dir: str, transfer_timeout: float) -> dict
         check(max(latency) <= tt + 3.0, f"a failed request took {max(latency):.2f}s (timeout {tt}s)")
         out["unregister_while_down"] = try_unregister(e, stream_src)
         # The timeouts fenced the receiver; the application knows what it lost and lifts it.
-        out["was_fenced"] = e.readmit_peer(peers[1].address)
+        out["was_fenced"] = e.readmit_peer(peers[1].address).fenced
         # Writes pinned to the NIC that is still up work (with the other one still down).
         t = time.monotonic()
         pins = [

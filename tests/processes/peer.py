@@ -172,6 +172,11 @@ def imm_value(engine: Any, imm: int) -> int:
         return int(c.value)
 
 
+def stale_immediates(state: PeerState) -> int:
+    """Immediates the peer dropped for belonging to a writer's ended epoch."""
+    return int(state.engine.stale_immediates)
+
+
 def wait_imms(
     state: PeerState, counts: dict[int, int], timeout: float = 30.0, settle: float = 0.05
 ) -> dict[int, int]:

@@ -10,6 +10,7 @@ import mmap
 import os
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fabric_lib
@@ -26,7 +27,7 @@ from fabric_lib.errors import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .peer import peers
+from .peer import peers, stale_immediates, wait_imms
 
 BAD_OPTIONS: list[dict[str, Any]] = [
     {"transfer_timeout": 1e19},
@@ -161,6 +162,100 @@ def test_timed_out_peer_is_fenced_until_readmitted() -> None:
                 assert time.monotonic() - t < 1.0, "a fenced peer fails at once"
             finally:
                 os.kill(receiver.pid, signal.SIGCONT)
-            assert e.readmit_peer(peer) is True
-            assert e.readmit_peer(peer) is False
+            assert e.readmit_peer(peer).fenced
+            assert not e.readmit_peer(peer), "re-admitting a peer that is not fenced does nothing"
             e.submit_write(region, dst, imm=3).result(timeout=10)
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOPs ``pid`` and waits until the kernel reports it stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "T":
+        assert time.monotonic() < deadline, "the peer never stopped"
+        time.sleep(0.005)
+
+
+REQUESTS = 100
+
+
+def _readmit(e: fabric_lib.TransferEngine, peer: fabric_lib.EngineAddress) -> fabric_lib.Readmission:
+    """``readmit_peer``, repeated (up to 3 times) if the peer did not answer in time, as the API
+    allows: a repeated handshake gets the same report."""
+    for _ in range(2):
+        try:
+            return e.readmit_peer(peer)
+        except FabricTimeoutError:
+            continue
+    return e.readmit_peer(peer)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("provider", "domains"),
+    [
+        pytest.param("tcp", None, id="tcp"),
+        pytest.param("shm", None, id="shm"),
+        pytest.param("udp;ofi_rxd", None, id="udp-rxd"),
+        # Writes on the second domain, handshake on the first, re-admission started while the
+        # receiver sleeps: it reads the handshake first, so the writes arrive after their epoch.
+        pytest.param("tcp", ["lo", "lo"], id="tcp-late-deliveries"),
+    ],
+)
+def test_timed_out_requests_are_counted_once_after_readmission(
+    provider: str, domains: list[str] | None
+) -> None:
+    """100 requests time out while the receiver is stopped; it resumes; the writer re-admits it,
+    learns what was counted and resends the rest. Every immediate is counted exactly once:
+    nothing of the ended epoch is counted after the handshake."""
+    imms = range(1000, 1000 + REQUESTS)
+    late = domains is not None
+    with peers(provider, ["receiver"], engine_kwargs={"domain": domains} if late else None) as (receiver,):
+        peer = fabric_lib.EngineAddress.from_bytes(receiver.address)
+        dst = fabric_lib.MrDescriptor.from_bytes(receiver.descriptor)
+        # Delivery completion: a write is done once it landed, so every provider times out on a
+        # stopped receiver (shm's transmit completion would report small writes done at once).
+        options: dict[str, Any] = {"transfer_timeout": 2.0, "write_completion": "delivery"}
+        with fabric_lib.TransferEngine(provider, domains, poll_mode="adaptive", **options) as e:
+            src = np.ones(1 << 20, dtype=np.uint8)
+            region = e.register_memory(src.ctypes.data, src.nbytes, src)
+            n_domains = len(domains or [None])
+            for d in range(n_domains):  # connects every domain before the receiver stops
+                e.submit_write(region, dst, 4096, imm=1, domain=d).result(timeout=10)
+            pinned = n_domains - 1
+
+            def write(imm: int) -> Future[None]:
+                return e.submit_write(region, dst, 4096, dst_offset=4096 * (imm % 64), imm=imm, domain=pinned)
+
+            _stop(receiver.pid)
+            try:
+                futures = [write(i) for i in imms]
+                for f in futures:
+                    with pytest.raises(FabricTimeoutError):  # timed out, or failed by the fence
+                        f.result(timeout=30)
+                with ThreadPoolExecutor(1) as pool:
+                    pending = pool.submit(_readmit, e, peer)
+                    if late:
+                        time.sleep(0.3)  # the handshake waits at the stopped receiver
+                    os.kill(receiver.pid, signal.SIGCONT)
+                    readmission = pending.result(timeout=30)
+            finally:
+                os.kill(receiver.pid, signal.SIGCONT)
+            assert readmission.fenced and readmission.counted is not None
+            counted = readmission.counted
+            assert counted.get(1) == n_domains, "the report covers the whole epoch that ended"
+            assert all(counted.get(i, 0) <= 1 for i in imms)
+            missing = [i for i in imms if i not in counted]
+            for f in [write(i) for i in missing]:
+                f.result(timeout=10)
+            expected = {1: n_domains, **{i: 1 for i in imms}}
+            # Waits for every count, then checks that nothing more arrives (leftovers are zero).
+            left = receiver.call(wait_imms, expected, timeout=30.0, settle=1.0)
+            assert left == dict.fromkeys(expected, 0), "an immediate was counted twice"
+            stale = receiver.call(stale_immediates)
+            assert stale <= len(missing), "only requests missing from the report can arrive late"
+            if late:
+                assert stale > 0, "the late deliveries reached the receiver after the handshake"
+            print(
+                f"{provider}: {REQUESTS - len(missing)} counted, {len(missing)} resent, {stale} dropped late"
+            )

@@ -4,8 +4,10 @@ use std::sync::atomic::Ordering;
 
 use super::{MrHandle, RegionInfo, TransferEngine};
 use crate::commands::Command;
+use crate::config::GpuRegistration;
 use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 use crate::error::{FabricError, Result};
+use crate::provider::libfabric::NicRegistration;
 
 impl TransferEngine {
     /// Registers `[ptr, ptr + len)` for local use and remote writes.
@@ -33,9 +35,19 @@ impl TransferEngine {
         }
         crate::host_memory::check_host_range(ptr as u64, len as u64)?;
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
-        let registered =
-            self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network: true, reply })?;
-        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind, network: true });
+        let gpu_registration = self.config.gpu_registration;
+        let (registered, _) = self.request(|reply| Command::Register {
+            region,
+            ptr: ptr as usize,
+            len,
+            kind,
+            network: true,
+            gpu_registration,
+            reply,
+        })?;
+        self.regions
+            .write()
+            .insert(region, RegionInfo { len: len as u64, ptr: ptr as u64, kind, network: true, nic: None });
         let descriptor = MrDescriptor {
             base: ptr as u64,
             len: len as u64,
@@ -81,17 +93,33 @@ impl TransferEngine {
         }
         let kind = MemoryKind::Cuda(device);
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
-        let register =
-            |network| self.request(|reply| Command::Register { region, ptr: ptr as usize, len, kind, network, reply });
-        let keys = if self.hmem {
+        let gpu_registration = self.config.gpu_registration;
+        let register = |network| {
+            self.request(|reply| Command::Register {
+                region,
+                ptr: ptr as usize,
+                len,
+                kind,
+                network,
+                gpu_registration,
+                reply,
+            })
+        };
+        let (keys, nic) = if !self.hmem {
+            register(false)?
+        } else if gpu_registration == GpuRegistration::Auto {
             register(true).or_else(|e| {
                 tracing::info!("GPU memory at {ptr:#x} not registered with the NIC ({e}); same-host peers only");
                 register(false)
             })?
         } else {
-            register(false)?
+            // A forced registration mode is what the caller tests or needs: its refusal is an error.
+            register(true)?
         };
-        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind, network: !keys.is_empty() });
+        if let Some(how) = nic {
+            tracing::info!("GPU memory at {ptr:#x}+{len} of cuda:{device} registered with the NIC through {how}");
+        }
+        self.regions.write().insert(region, RegionInfo { len: len as u64, ptr, kind, network: !keys.is_empty(), nic });
         let descriptor = MrDescriptor {
             base: ptr,
             len: len as u64,
@@ -143,6 +171,12 @@ impl TransferEngine {
     /// Address of a local registration's first byte.
     pub fn region_base(&self, handle: MrHandle) -> Result<u64> {
         self.region_info(handle).map(|r| r.ptr)
+    }
+
+    /// How a local GPU registration reached the NIC: DMA-BUF or the CUDA interface; None for host
+    /// memory and for GPU memory that serves same-host peers only.
+    pub fn region_nic_registration(&self, handle: MrHandle) -> Result<Option<NicRegistration>> {
+        self.region_info(handle).map(|r| r.nic)
     }
 
     /// Memory kind of a local registration.

@@ -41,6 +41,8 @@ pub(crate) struct RegionInfo {
     pub kind: MemoryKind,
     /// Registered with the NIC (host memory always; GPU memory on FI_HMEM providers).
     pub network: bool,
+    /// How GPU memory was registered with the NIC (None: host memory, or same-host only).
+    pub nic: Option<crate::provider::libfabric::NicRegistration>,
 }
 
 /// Moves memory to and from peers; see the crate docs.
@@ -53,6 +55,7 @@ pub struct TransferEngine {
     leftovers: Receiver<Command>,
     worker_exited: Arc<AtomicBool>,
     oversized_messages: Arc<AtomicU64>,
+    stale_immediates: Arc<AtomicU64>,
     regions: RwLock<HashMap<u64, RegionInfo>>,
     next_region: AtomicU64,
     /// Rotates the first domain of successive requests so load spreads over every NIC.
@@ -108,6 +111,7 @@ impl TransferEngine {
             leftovers,
             worker_exited: info.exited.clone(),
             oversized_messages: info.oversized_messages.clone(),
+            stale_immediates: info.stale_immediates.clone(),
             regions: RwLock::new(HashMap::new()),
             next_region: AtomicU64::new(crate::commands::SCRATCH_REGION + 1),
             next_domain: AtomicUsize::new(0),
@@ -151,6 +155,13 @@ impl TransferEngine {
     /// peers). Such messages are never delivered, whole or cut.
     pub fn refused_messages(&self) -> u64 {
         self.oversized_messages.load(Ordering::Relaxed)
+    }
+
+    /// Immediates this engine refused because they belong to a writer's epoch that ended: the
+    /// writer timed out on requests to this engine and re-admitted it (see
+    /// [`TransferEngine::readmit_peer`]); they were delivered too late to be counted.
+    pub fn stale_immediates(&self) -> u64 {
+        self.stale_immediates.load(Ordering::Relaxed)
     }
 
     /// Whether GPU regions of this engine are registered with the NIC (the provider has

@@ -5,6 +5,7 @@ use crate::address::EngineAddress;
 use crate::commands::{Command, Target};
 use crate::descriptor::{MemoryKind, MrDescriptor};
 use crate::engine::MrHandle;
+use crate::epoch::Readmission;
 use crate::error::{FabricError, Result};
 use crate::provider::same_host::SameHostDst;
 
@@ -92,12 +93,27 @@ impl TransferEngine {
         ))
     }
 
-    /// Lifts the fence that a timed-out request put on `peer` (see [`FabricError::PeerFenced`]);
-    /// returns whether it was fenced. Requests that timed out may or may not have landed: re-admit
-    /// once the application has settled with the peer what it received.
-    pub fn readmit_peer(&self, peer: &EngineAddress) -> Result<bool> {
+    /// Lifts the fence that a timed-out request put on `peer` (see [`FabricError::PeerFenced`]).
+    ///
+    /// Where the provider carries epochs (8-byte CQ data: tcp, udp;ofi_rxd, shm, sockets) this
+    /// is a handshake with the peer, bounded by the transfer timeout: the peer stops counting
+    /// immediates of this engine's ended epoch and reports what it counted under it
+    /// ([`Readmission::counted`]), so the application resends exactly the requests whose
+    /// immediates are missing. If the peer does not answer, this fails with
+    /// [`FabricError::Timeout`] and the peer stays fenced.
+    pub fn readmit_peer(&self, peer: &EngineAddress) -> Result<Readmission> {
         self.check_peer(peer)?;
-        let first = peer.domains[0].endpoint.clone();
-        self.request(|reply| Command::Readmit { peer: first, reply })
+        let endpoints = peer.domains.iter().map(|d| d.endpoint.clone()).collect();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.command(Command::Readmit { peer: endpoints, max_message_size: peer.max_message_size, reply: tx })?;
+        // The worker answers within the transfer timeout (the handshake's bound).
+        let bound = self.config.command_timeout.saturating_add(self.config.transfer_timeout);
+        rx.recv_timeout(bound).map_err(|_| {
+            if self.is_stopped() {
+                FabricError::Stopped
+            } else {
+                FabricError::Timeout(format!("the worker did not answer the re-admission within {bound:?}"))
+            }
+        })?
     }
 }

@@ -2,7 +2,7 @@
 //! reached, a word kernels poll is set).
 use super::TransferEngine;
 use crate::error::{FabricError, Result};
-use crate::gpu::{GpuFlag, UvmWatcher, WatcherCallback};
+use crate::gpu::{GpuFlag, UvmWatcher, WatcherCallback, WatcherRunsOn};
 use crate::imm_counter::OnReached;
 
 impl TransferEngine {
@@ -10,6 +10,17 @@ impl TransferEngine {
     /// kernels (also inside CUDA graphs) write; `callback(old, new)` runs on the callback thread
     /// after every change a per-device polling thread sees.
     pub fn alloc_uvm_watcher(&self, device: usize, callback: WatcherCallback) -> Result<UvmWatcher> {
+        self.alloc_uvm_watcher_on(device, callback, WatcherRunsOn::CallbackThread)
+    }
+
+    /// [`TransferEngine::alloc_uvm_watcher`] with the choice of the thread the callback runs on
+    /// ([`WatcherRunsOn::WatcherThread`]: the polling thread itself, no hand-off).
+    pub fn alloc_uvm_watcher_on(
+        &self,
+        device: usize,
+        callback: WatcherCallback,
+        runs_on: WatcherRunsOn,
+    ) -> Result<UvmWatcher> {
         if self.is_stopped() {
             return Err(FabricError::Stopped);
         }
@@ -19,6 +30,7 @@ impl TransferEngine {
             self.config.poll_mode,
             self.callbacks.queue(),
             callback,
+            runs_on,
         )
     }
 

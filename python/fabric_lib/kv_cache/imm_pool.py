@@ -1,4 +1,4 @@
-"""Immediate values owned by a decoder endpoint: one per request in flight, reused FIFO."""
+"""Immediate values owned by a decoder endpoint: one slot per request in flight, reused FIFO."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ from .errors import KvCapacityError
 
 
 class ImmPool:
-    """Hands out ``[base, base + size)``. Values come back in FIFO order, so a value whose
-    request failed (where a late arrival cannot be ruled out) is reused as late as possible."""
+    """Hands out ``slots`` slots of ``width`` consecutive values from ``base`` (a slot's first
+    value identifies it). Slots come back in FIFO order, so a slot whose request failed (where a
+    late arrival cannot be ruled out) is reused as late as possible."""
 
-    def __init__(self, base: int, size: int) -> None:
-        if size < 1 or base < 0 or base + size > 2**32:
-            raise InvalidArgumentError(f"immediate range [{base}, {base + size}) must lie in [0, 2**32)")
-        self.base, self.size = base, size
-        self._free = deque(range(base, base + size))
+    def __init__(self, base: int, slots: int, width: int = 1) -> None:
+        if slots < 1 or width < 1 or base < 0 or base + slots * width > 2**32:
+            raise InvalidArgumentError(
+                f"{slots} immediate slots of {width} values from {base} must lie in [0, 2**32)"
+            )
+        self.base, self.size, self.width = base, slots, width
+        self._free = deque(range(base, base + slots * width, width))
         self._lock = threading.Lock()
 
     def acquire(self) -> int:
         with self._lock:
             if not self._free:
-                raise KvCapacityError(f"all {self.size} immediate values are in use by requests in flight")
+                raise KvCapacityError(f"all {self.size} immediate slots are in use by requests in flight")
             return self._free.popleft()
 
     def release(self, imm: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,10 @@ from .plan import sources
 @dataclass
 class RecvRequest:
     """A request in flight. ``future``: the context bytes, or the error; ``released``: done
-    when the request's blocks may be reused (result: None)."""
+    when the request's blocks may be reused (result: None).
+
+    The request counts one immediate value, or with ``layerwise`` one per layer (``imm + layer``)
+    and one for the context (``imm + num_layers``); ``parts`` lists them."""
 
     request_id: str
     imm: int
@@ -42,7 +46,8 @@ class RecvRequest:
     ctx_offset: int | None
     ctx_len: int
     deadline: float
-    counter: ImmCounter
+    parts: list[_Part]
+    layers: list[Future[None]] | None = None
     acks: dict[str, int] = field(default_factory=dict)
     waiting_acks: set[str] = field(default_factory=set)
     cancel_deadline: float | None = None
@@ -52,11 +57,43 @@ class RecvRequest:
         """The context (b"" if none was asked for); raises the request's error."""
         return self.future.result(timeout=timeout)
 
+    def wait_for_layer(self, layer: int, timeout: float) -> None:
+        """Returns once ``layer``'s pages of every chunk landed (requests made with
+        ``layerwise=True``); raises the request's error, or ``FabricTimeoutError``."""
+        if self.layers is None:
+            raise InvalidArgumentError("wait_for_layer needs a receiver created with layerwise=True")
+        if not 0 <= layer < len(self.layers):
+            raise InvalidArgumentError(f"layer must be in [0, {len(self.layers)}), got {layer}")
+        try:
+            self.layers[layer].result(timeout=timeout)
+        except FutureTimeout:
+            raise FabricTimeoutError(
+                f"layer {layer} of request {self.request_id!r} not loaded within {timeout}s"
+            ) from None
+
+    def arrived(self) -> int:
+        """Immediates counted so far (parts whose expectation fired count in full)."""
+        return sum(p.expected if p.reached else p.counter.value for p in self.parts)
+
+
+@dataclass
+class _Part:
+    """One immediate value of a request and the count it expects."""
+
+    imm: int
+    expected: int
+    counter: ImmCounter
+    reached: bool = False
+
 
 class KvReceiver(KvEndpoint):
     """Decoder endpoint. Arguments as ``KvSender``'s, plus:
 
-    imm_base, imm_count: the immediate values this endpoint owns on its engine.
+    imm_base, imm_count: the immediate values this endpoint owns on its engine: ``imm_count``
+        requests in flight, each taking one value (``num_layers + 1`` consecutive ones with
+        ``layerwise``) from ``imm_base`` on.
+    layerwise: count each layer on its own immediate value, so a decoder can start a layer
+        once it landed (``RecvRequest.wait_for_layer``, ``layer_flags``).
     request_timeout: a request not complete this long after ``request`` fails
         (``FabricTimeoutError``) and is cancelled.
     cancel_timeout: how long a cancel waits for a live source's confirmation before the source
@@ -75,9 +112,11 @@ class KvReceiver(KvEndpoint):
         imm_count: int = 4096,
         request_timeout: float = 60.0,
         cancel_timeout: float = 10.0,
+        layerwise: bool = False,
         **kw: Any,
     ) -> None:
-        self.imm_pool = ImmPool(imm_base, imm_count)
+        self.layerwise = layerwise
+        self.imm_pool = ImmPool(imm_base, imm_count, layout.num_layers + 1 if layerwise else 1)
         self.request_timeout, self.cancel_timeout = request_timeout, cancel_timeout
         self._requests: dict[str, RecvRequest] = {}
         self._done: dict[str, BaseException | None] = {}
@@ -98,11 +137,20 @@ class KvReceiver(KvEndpoint):
         num_chunks: int | None = None,
         flag: GpuFlag | None = None,
         flag_value: int = 1,
+        layer_flags: Sequence[GpuFlag] | None = None,
     ) -> RecvRequest:
         """Asks ``prefill_instance`` to write the KV of ``num_tokens`` prompt tokens into
         ``block_ids`` (and ``context_bytes`` of context). ``num_chunks`` defaults to the
         chunks the prefiller announced (``chunk_tokens``). With ``flag``, the engine sets it to
-        ``flag_value`` when everything landed (a GPU kernel can wait on it)."""
+        ``flag_value`` when everything landed (a GPU kernel can wait on it). With a
+        ``layerwise`` receiver, ``layer_flags`` (one per layer) are set to ``flag_value`` as
+        each layer lands instead."""
+        if self.layerwise and flag is not None:
+            raise InvalidArgumentError("a layerwise receiver sets layer_flags, not one flag")
+        if layer_flags is not None and (not self.layerwise or len(layer_flags) != self.layout.num_layers):
+            raise InvalidArgumentError(
+                f"layer_flags needs layerwise=True and one flag per layer ({self.layout.num_layers})"
+            )
         blocks = [int(b) for b in block_ids]
         if num_tokens < 1 or len(blocks) != self.layout.blocks_for(num_tokens):
             raise InvalidArgumentError(
@@ -139,6 +187,13 @@ class KvReceiver(KvEndpoint):
             released: Future[None] = Future()
             future.set_running_or_notify_cancel()
             released.set_running_or_notify_cancel()
+            L = self.layout.num_layers
+            if self.layerwise:
+                per_layer = sum(chunks[r] for r in needed)
+                counts = [per_layer] * L + ([1] if context_bytes else [])
+            else:
+                counts = [expected]
+            parts = [_Part(imm + i, n, self.engine.imm_counter(imm + i)) for i, n in enumerate(counts)]
             req = RecvRequest(
                 request_id,
                 imm,
@@ -149,12 +204,21 @@ class KvReceiver(KvEndpoint):
                 ctx_offset,
                 context_bytes,
                 time.monotonic() + self.request_timeout,
-                self.engine.imm_counter(imm),
+                parts,
+                [_running_future() for _ in range(L)] if self.layerwise else None,
             )
             self._requests[request_id] = req
-            self.engine.set_imm_count_expected(
-                imm, expected, lambda: self._reached(req), flag=flag, flag_value=flag_value
-            )
+            for i, part in enumerate(parts):
+                layer_flag = (
+                    flag if not self.layerwise else (layer_flags[i] if layer_flags and i < L else None)
+                )
+                self.engine.set_imm_count_expected(
+                    part.imm,
+                    part.expected,
+                    lambda i=i: self._reached(req, i),  # type: ignore[misc]
+                    flag=layer_flag,
+                    flag_value=flag_value,
+                )
             # Every rank of the instance hears of the request (those this rank reads nothing from
             # get an empty one), so each prefiller rank knows when all decoder ranks are served.
             for r in range(src_tp):
@@ -170,6 +234,7 @@ class KvReceiver(KvEndpoint):
                         num_tokens=num_tokens,
                         num_chunks=chunks.get(r, 1),
                         imm=imm,
+                        layerwise=self.layerwise,
                         ctx_offset=ctx_offset or 0,
                         ctx_len=context_bytes if r == needed[0] else 0,
                         empty=r not in needed,
@@ -197,9 +262,17 @@ class KvReceiver(KvEndpoint):
             return done
 
     # -- completion and aborts ---------------------------------------------------------------
-    def _reached(self, req: RecvRequest) -> None:
-        """The expected count arrived: everything landed (also when it raced a cancel)."""
+    def _reached(self, req: RecvRequest, index: int) -> None:
+        """A part's expected count arrived (also when it raced a cancel); all parts: everything
+        landed."""
         with self._lock:
+            req.parts[index].reached = True
+            if req.layers is not None and index < len(req.layers) and not req.layers[index].done():
+                req.layers[index].set_result(None)
+            if not all(p.reached for p in req.parts):
+                if req.cancel_deadline is not None:
+                    self._settle_cancel(req)
+                return
             if not req.future.done():
                 data = b""
                 if req.ctx_offset is not None:
@@ -212,6 +285,9 @@ class KvReceiver(KvEndpoint):
         if req.future.done() or req.cancel_deadline is not None:
             return
         req.future.set_exception(error)
+        for layer in req.layers or []:
+            if not layer.done():
+                layer.set_exception(error)
         req.cancel_deadline = time.monotonic() + self.cancel_timeout
         for peer in req.sources:
             info = self._peers.get(peer)
@@ -229,15 +305,21 @@ class KvReceiver(KvEndpoint):
         issued = sum(req.acks.values())
         if issued >= req.expected:
             return  # everything was issued: the expectation fires (``_reached``)
-        if req.counter.value >= issued:
-            self.engine.remove_imm_count(req.imm)
+        if req.arrived() >= issued:
+            self._forget_counts(req)
             self._release(req)
+
+    def _forget_counts(self, req: RecvRequest) -> None:
+        for part in req.parts:
+            if not part.reached:
+                self.engine.remove_imm_count(part.imm)
 
     def _release(self, req: RecvRequest) -> None:
         if self._requests.get(req.request_id) is not req:
             return
         del self._requests[req.request_id]
-        req.counter.close()
+        for part in req.parts:
+            part.counter.close()
         self.imm_pool.release(req.imm)
         if req.ctx_offset is not None:
             self.context_pool.release(req.ctx_offset)
@@ -301,5 +383,14 @@ class KvReceiver(KvEndpoint):
             for req in list(self._requests.values()):
                 if not req.future.done():
                     req.future.set_exception(KvPeerLostError("the decode endpoint closed"))
-                self.engine.remove_imm_count(req.imm)
+                for layer in req.layers or []:
+                    if not layer.done():
+                        layer.set_exception(KvPeerLostError("the decode endpoint closed"))
+                self._forget_counts(req)
                 self._release(req)
+
+
+def _running_future() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_running_or_notify_cancel()
+    return f

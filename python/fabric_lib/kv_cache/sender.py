@@ -45,12 +45,19 @@ class _Destination:
     processed: list[int]  # per layer: entries of the request's ready list handled
     calls: list[int]  # per layer: immediates produced
     sent_blocks: list[int]  # per layer: blocks written
+    layerwise: bool = False  # layer l counts on imm + l, the context on imm + num_layers
     issued: int = 0
     settled: int = 0
     ctx_sent: bool = False
     error: BaseException | None = None
     stopped: bool = False  # cancelled or failed: nothing more is issued
     confirmed: bool = False  # CANCELLED sent (or peer lost)
+
+    def layer_imm(self, layer: int) -> int:
+        return self.imm + layer if self.layerwise else self.imm
+
+    def context_imm(self) -> int:
+        return self.imm + len(self.calls) if self.layerwise else self.imm
 
     def complete(self) -> bool:
         layers = all(c == self.num_chunks for c in self.calls)
@@ -252,7 +259,7 @@ class KvSender(KvEndpoint):
                 dest.sent_blocks[layer] = hi
                 dest.calls[layer] += 1
                 while final and dest.calls[layer] < dest.num_chunks and not dest.stopped:
-                    self._bare_imm(req, dest, fwd)
+                    self._bare_imm(req, dest, layer, fwd)
                     dest.calls[layer] += 1
         if req.context is not None and dest.ctx_len and not dest.ctx_sent and not dest.stopped:
             if len(req.context) != dest.ctx_len:
@@ -277,7 +284,7 @@ class KvSender(KvEndpoint):
                     dest.ctx_len,
                     src_offset=stage,
                     dst_offset=dest.ctx_offset,
-                    imm=dest.imm,
+                    imm=dest.context_imm(),
                     on_done=cb,
                 ),
             )
@@ -287,7 +294,7 @@ class KvSender(KvEndpoint):
         self, req: _SendRequest, dest: _Destination, layer: int, lo: int, hi: int, fwd: ForwardPass | None
     ) -> None:
         if lo == hi:
-            self._bare_imm(req, dest, fwd)
+            self._bare_imm(req, dest, layer, fwd)
             return
         assert req.blocks is not None
         plan = dest.plan
@@ -306,15 +313,14 @@ class KvSender(KvEndpoint):
                 src_offset=plan.src_offset,
                 dst_stride=plan.dst_unit_stride,
                 dst_offset=plan.dst_offset,
-                imm=dest.imm,
+                imm=dest.layer_imm(layer),
                 on_done=cb,
             ),
         )
 
-    def _bare_imm(self, req: _SendRequest, dest: _Destination, fwd: ForwardPass | None) -> None:
-        self._issue(
-            req, dest, fwd, lambda cb: self.engine.submit_imm(dest.imm, dest.info.address, on_done=cb)
-        )
+    def _bare_imm(self, req: _SendRequest, dest: _Destination, layer: int, fwd: ForwardPass | None) -> None:
+        imm = dest.layer_imm(layer)
+        self._issue(req, dest, fwd, lambda cb: self.engine.submit_imm(imm, dest.info.address, on_done=cb))
 
     def _issue(
         self, req: _SendRequest, dest: _Destination, fwd: ForwardPass | None, submit: Callable[[Any], Any]
@@ -356,6 +362,7 @@ class KvSender(KvEndpoint):
             [0] * L,
             [0] * L,
             [0] * L,
+            bool(msg.get("layerwise", False)),
         )
         req.dests[info.peer] = dest
         if req.expected_dests is None:

@@ -62,6 +62,16 @@ impl Device {
         Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
     }
 
+    /// PCI address as sysfs writes it, e.g. `0000:18:00.0` (lowercase hex, function 0).
+    pub fn pci_bus_id(&self) -> Result<String> {
+        Ok(format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            self.attribute(Attr::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            self.attribute(Attr::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            self.attribute(Attr::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        ))
+    }
+
     /// Total device memory in bytes.
     pub fn total_memory(&self) -> Result<usize> {
         let mut bytes = 0;

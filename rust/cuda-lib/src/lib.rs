@@ -53,7 +53,7 @@ pub use alloc::DeviceBuffer;
 pub use context::Context;
 pub use cudarc::driver::sys;
 pub use device::{driver_version, Device};
-pub use dmabuf::{export_dmabuf, DMABUF_ALIGNMENT};
+pub use dmabuf::{export_dmabuf, export_dmabuf_range, DmabufRange, DMABUF_ALIGNMENT};
 pub use driver::{device_count, pointer_device, Driver};
 #[doc(hidden)]
 pub use embed::Aligned16;

@@ -8,9 +8,11 @@ use std::rc::Rc;
 use libfabric_sys as sys;
 
 use super::context::OpContext;
+use super::dmabuf::NicRegistration;
 use super::error::libfabric_error;
 use super::info::{resolve, DomainSpec, FabricInfo};
-use super::mr::{Access, LocalMr};
+use super::mr::{Access, LocalMr, MrMemory};
+use crate::config::GpuRegistration;
 use crate::error::{FabricError, Result};
 
 /// Completion entries read per `fi_cq_read` call.
@@ -52,9 +54,10 @@ impl Drop for DomainFids {
 pub enum Completion {
     /// A local operation (write, send, or a receive) finished.
     Done { context: *mut OpContext, len: usize },
-    /// A remote write with an immediate landed here. `context` is a consumed receive when the
-    /// provider needs FI_RX_CQ_DATA, else null.
-    RemoteImm { imm: u32, context: *mut OpContext },
+    /// Remote CQ data arrived: a write with an immediate landed here (`context` is a consumed
+    /// receive when the provider needs FI_RX_CQ_DATA, else undefined), or a message sent with
+    /// CQ data filled the receive `context` with `len` bytes.
+    RemoteImm { data: u64, context: *mut OpContext, len: usize },
     /// An operation failed.
     Failed { context: *mut OpContext, message: String },
 }
@@ -168,6 +171,11 @@ impl LibfabricDomain {
         self.info.mode() & sys::FI_RX_CQ_DATA != 0
     }
 
+    /// Whether remote CQ data has 8 bytes: room for an epoch tag above the immediate.
+    pub fn wide_cq_data(&self) -> bool {
+        self.info.cq_data_size() >= 8
+    }
+
     /// Largest single message the endpoint accepts.
     pub fn max_msg_size(&self) -> usize {
         self.info.max_msg_size()
@@ -179,28 +187,77 @@ impl LibfabricDomain {
     /// another region), and a descriptor kept across a restart or sent to the wrong engine
     /// matches nothing.
     pub fn register(&mut self, ptr: *mut u8, len: usize, access: Access) -> Result<LocalMr> {
-        self.register_on(ptr, len, access, None)
+        self.register_on(ptr, len, access, MrMemory::Host)
     }
 
     /// Registers CUDA memory of `device` (FI_HMEM domains only): the provider moves it without
-    /// staging through host memory.
-    pub fn register_cuda(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+    /// staging through host memory. `mode` picks DMA-BUF or the CUDA interface (see
+    /// [`GpuRegistration`]); returns which one registered it.
+    pub fn register_cuda(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        device: u32,
+        mode: GpuRegistration,
+    ) -> Result<(LocalMr, NicRegistration)> {
         if !self.has_hmem() {
             return Err(FabricError::ProviderUnavailable(format!(
                 "provider '{}' was opened without FI_HMEM: it cannot register GPU memory",
                 self.provider_name()
             )));
         }
-        self.register_on(ptr, len, Access::RemoteWrite, Some(device))
+        let attempts = super::dmabuf::attempts(mode, self.info.api_version(), &self.provider_name())?;
+        let mut failures = Vec::new();
+        for how in attempts {
+            let registered = match how {
+                NicRegistration::CudaIface => self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Cuda(device)),
+                NicRegistration::Dmabuf => self.register_dmabuf(ptr, len, device),
+            };
+            match registered {
+                Ok(mr) => {
+                    tracing::debug!(
+                        provider = %self.provider_name(),
+                        domain = %self.domain_name(),
+                        "GPU memory {ptr:p}+{len} of cuda:{device} registered through {how}"
+                    );
+                    return Ok((mr, how));
+                }
+                Err(e) => {
+                    tracing::info!("registering GPU memory {ptr:p}+{len} through {how} failed: {e}");
+                    failures.push(format!("{how}: {e}"));
+                }
+            }
+        }
+        Err(FabricError::ProviderUnavailable(format!(
+            "provider '{}' refused GPU memory {ptr:p}+{len} of cuda:{device} ({})",
+            self.provider_name(),
+            failures.join("; ")
+        )))
     }
 
-    fn register_on(&mut self, ptr: *mut u8, len: usize, access: Access, cuda: Option<u32>) -> Result<LocalMr> {
+    /// DMA-BUF registration: exports the range with the CUDA driver, then `FI_MR_DMABUF`.
+    fn register_dmabuf(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+        let ctx = cuda_lib::Context::new(device as usize)?;
+        let range = cuda_lib::export_dmabuf_range(&ctx, ptr as u64, len)
+            .map_err(|e| FabricError::Cuda(format!("exporting GPU memory {ptr:p}+{len} as DMA-BUF: {e}")))?;
+        let mut mr = self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Dmabuf(Some(device), &range))?;
+        mr.dmabuf = Some(range);
+        Ok(mr)
+    }
+
+    pub(super) fn register_on(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        memory: MrMemory<'_>,
+    ) -> Result<LocalMr> {
         let mr_mode = self.info.mr_mode();
         let provider_keys = mr_mode & sys::FI_MR_PROV_KEY as u64 != 0;
         let key_bytes = self.info.mr_key_size().clamp(1, 8);
         for _ in 0..4 {
             let key = if provider_keys { 0 } else { random_key(key_bytes)? };
-            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode, cuda) {
+            match LocalMr::register(&self.fids, ptr, len, access, key, mr_mode, memory) {
                 // That random key is taken: draw another.
                 Err(FabricError::Libfabric { code, .. }) if code == sys::FI_ENOKEY as i32 && !provider_keys => {}
                 other => return other,
@@ -249,7 +306,8 @@ impl LibfabricDomain {
         }
     }
 
-    /// Posts one RMA write (with an immediate when `imm` is set). With `delivery_complete`, its
+    /// Posts one RMA write (with remote CQ data when `imm` is set: the immediate, and the
+    /// epoch tag where the provider has 8 bytes of it). With `delivery_complete`, its
     /// completion means the bytes are visible in the target's memory (FI_DELIVERY_COMPLETE).
     ///
     /// # Safety
@@ -264,7 +322,7 @@ impl LibfabricDomain {
         dest: sys::fi_addr_t,
         remote_addr: u64,
         key: u64,
-        imm: Option<u32>,
+        imm: Option<u64>,
         delivery_complete: bool,
         context: *mut OpContext,
     ) -> Result<Posted> {
@@ -283,7 +341,7 @@ impl LibfabricDomain {
                 rma_iov: &rma,
                 rma_iov_count: 1,
                 context: ctx,
-                data: imm.unwrap_or(0) as u64,
+                data: imm.unwrap_or(0),
             };
             let mut flags = (sys::FI_DELIVERY_COMPLETE | sys::FI_COMPLETION) as u64;
             if imm.is_some() {
@@ -296,7 +354,7 @@ impl LibfabricDomain {
         // SAFETY: forwarded from the caller's contract; ep is enabled.
         let ret = unsafe {
             match imm {
-                Some(data) => sys::shim_fi_writedata(ep, buf, len, desc, data as u64, dest, remote_addr, key, ctx),
+                Some(data) => sys::shim_fi_writedata(ep, buf, len, desc, data, dest, remote_addr, key, ctx),
                 None => sys::shim_fi_write(ep, buf, len, desc, dest, remote_addr, key, ctx),
             }
         };
@@ -309,7 +367,8 @@ impl LibfabricDomain {
     /// As for [`LibfabricDomain::post_write`].
     /// With `delivery_complete`, the completion means the receiver took the message
     /// (FI_DELIVERY_COMPLETE): a send into a connection the receiver reset fails instead of
-    /// "succeeding" into the void.
+    /// "succeeding" into the void. `data` is sent as remote CQ data (control messages).
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn post_send(
         &mut self,
         local: *const u8,
@@ -317,9 +376,10 @@ impl LibfabricDomain {
         desc: *mut c_void,
         dest: sys::fi_addr_t,
         delivery_complete: bool,
+        data: Option<u64>,
         context: *mut OpContext,
     ) -> Result<Posted> {
-        if delivery_complete {
+        if delivery_complete || data.is_some() {
             let iov = sys::iovec { iov_base: local as *mut c_void, iov_len: len };
             let mut desc = desc;
             let msg = sys::fi_msg {
@@ -328,9 +388,15 @@ impl LibfabricDomain {
                 iov_count: 1,
                 addr: dest,
                 context: context as *mut c_void,
-                data: 0,
+                data: data.unwrap_or(0),
             };
-            let flags = (sys::FI_DELIVERY_COMPLETE | sys::FI_COMPLETION) as u64;
+            let mut flags = sys::FI_COMPLETION as u64;
+            if delivery_complete {
+                flags |= sys::FI_DELIVERY_COMPLETE as u64;
+            }
+            if data.is_some() {
+                flags |= sys::FI_REMOTE_CQ_DATA as u64;
+            }
             // SAFETY: msg and the iov it points to live across the call (the provider copies
             // them); buffer and context per the caller's contract.
             return Self::posted("fi_sendmsg", unsafe { sys::shim_fi_sendmsg(self.fids.ep, &msg, flags) });
@@ -373,9 +439,8 @@ impl LibfabricDomain {
         if ret > 0 {
             for e in &self.entries[..ret as usize] {
                 let context = e.op_context as *mut OpContext;
-                // We never send messages with CQ data, so remote CQ data always means a WRITEIMM.
                 if e.flags & sys::FI_REMOTE_CQ_DATA as u64 != 0 {
-                    out.push(Completion::RemoteImm { imm: e.data as u32, context });
+                    out.push(Completion::RemoteImm { data: e.data, context, len: e.len });
                 } else {
                     out.push(Completion::Done { context, len: e.len });
                 }
@@ -386,9 +451,19 @@ impl LibfabricDomain {
             return Ok(0);
         }
         if ret == -(sys::FI_EAVAIL as isize) {
-            let mut err = sys::fi_cq_err_entry::default();
-            // SAFETY: an error entry is available; err is a valid out-struct.
-            let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut err, 0) };
+            // Domains opened with API >= 1.20 get the newer, longer entry (src_addr added): room
+            // for it behind the 1.17 layout the bindings know.
+            #[repr(C)]
+            #[derive(Default)]
+            struct ErrEntry {
+                entry: sys::fi_cq_err_entry,
+                newer_fields: [u64; 8],
+            }
+            let mut padded = ErrEntry::default();
+            // SAFETY: an error entry is available; `padded` is a valid out-struct with room for
+            // every layout up to libfabric 2.x's.
+            let r = unsafe { sys::shim_fi_cq_readerr(self.fids.cq, &mut padded.entry, 0) };
+            let err = padded.entry;
             if r < 0 {
                 return Err(libfabric_error("fi_cq_readerr", r as i64));
             }

@@ -84,6 +84,12 @@ impl FabricInfo {
         unsafe { (*self.get().domain_attr).mr_mode as u64 }
     }
 
+    /// The API version the fabric is opened with (what libfabric reads our structures as).
+    pub fn api_version(&self) -> u32 {
+        // SAFETY: fabric_attr is non-null for returned entries.
+        unsafe { (*self.get().fabric_attr).api_version }
+    }
+
     pub fn mode(&self) -> u64 {
         self.get().mode
     }
@@ -177,8 +183,16 @@ fn remove_stale_shm_regions() {
     }
 }
 
-/// Requested API version: 1.17, the oldest we test with.
-const API_VERSION: u32 = sys::fi_version(1, 17);
+/// Requested API version: 1.17, the oldest we test with; FI_HMEM queries ask for 1.20 where the
+/// running libfabric has it, as DMA-BUF registration needs (see `dmabuf`).
+fn api_version(hmem: bool) -> u32 {
+    let base = sys::fi_version(1, 17);
+    if hmem && super::dmabuf::runtime_version() >= super::dmabuf::DMABUF_API_VERSION {
+        super::dmabuf::DMABUF_API_VERSION
+    } else {
+        base
+    }
+}
 
 /// Runs `fi_getinfo` for RDM endpoints with RMA + MSG + remote CQ data, optionally for one
 /// provider; returns every match as (provider, domain, info).
@@ -211,7 +225,7 @@ fn query(provider: Option<&str>, hmem: bool) -> Result<Vec<FabricInfo>> {
             let c = CString::new(name).map_err(|_| FabricError::InvalidArgument("provider name has a NUL".into()))?;
             (*h.fabric_attr).prov_name = libc_strdup(&c);
         }
-        let ret = sys::fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, hints, &mut list);
+        let ret = sys::fi_getinfo(api_version(hmem), ptr::null(), ptr::null(), 0, hints, &mut list);
         sys::fi_freeinfo(hints);
         ret
     };

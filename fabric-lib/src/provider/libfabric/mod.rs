@@ -1,6 +1,7 @@
 //! libfabric FI_EP_RDM domains: provider selection, endpoint set-up, memory registration and the
 //! data-path calls. Everything here runs on the owning worker thread (FI_THREAD_DOMAIN).
 mod context;
+mod dmabuf;
 mod domain;
 mod endpoint;
 mod error;
@@ -8,6 +9,7 @@ mod info;
 mod mr;
 
 pub use context::{OpContext, OpKind};
+pub use dmabuf::{runtime_version, version_string, NicRegistration, DMABUF_API_VERSION};
 pub use domain::{Completion, LibfabricDomain, Posted, CQ_BATCH};
 pub use endpoint::check_endpoint;
 pub use error::{libfabric_error, strerror};

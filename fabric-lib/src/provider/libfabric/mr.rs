@@ -1,4 +1,5 @@
 //! Memory registration on one libfabric domain.
+use std::os::fd::AsRawFd;
 use std::ptr;
 use std::rc::Rc;
 
@@ -29,19 +30,32 @@ impl Access {
     }
 }
 
+/// What memory a registration covers.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum MrMemory<'a> {
+    /// Host memory, by address.
+    Host,
+    /// CUDA memory of a device, by address (`iface = FI_HMEM_CUDA`).
+    Cuda(u32),
+    /// Memory behind a DMA-BUF (`FI_MR_DMABUF`): CUDA memory of a device (exported for the
+    /// range), or with `None` host memory (`iface = FI_HMEM_SYSTEM`).
+    Dmabuf(Option<u32>, &'a cuda_lib::DmabufRange),
+}
+
 /// A region registered on one domain. Holds its domain alive, and is closed before it.
 pub struct LocalMr {
     mr: *mut sys::fid_mr,
     desc: *mut std::ffi::c_void,
     key: u64,
     remote_base: u64,
+    /// The DMA-BUF the region was registered through, closed after the registration.
+    pub(super) dmabuf: Option<cuda_lib::DmabufRange>,
     _domain: Rc<DomainFids>,
 }
 
 impl LocalMr {
     /// Registers `[ptr, ptr+len)` with `access`, asking for `requested_key` (ignored by
-    /// providers that pick keys themselves, FI_MR_PROV_KEY). `cuda`: the memory is CUDA memory
-    /// of that device (registered with `iface = FI_HMEM_CUDA`).
+    /// providers that pick keys themselves, FI_MR_PROV_KEY).
     pub(super) fn register(
         fids: &Rc<DomainFids>,
         ptr: *mut u8,
@@ -49,27 +63,50 @@ impl LocalMr {
         access: Access,
         requested_key: u64,
         mr_mode: u64,
-        cuda: Option<u32>,
+        memory: MrMemory<'_>,
     ) -> Result<Self> {
         let iov = sys::iovec { iov_base: ptr as *mut std::ffi::c_void, iov_len: len };
-        let mut attr =
-            sys::fi_mr_attr { mr_iov: &iov, iov_count: 1, access: access.flags(), requested_key, ..Default::default() };
-        let mut flags = 0;
-        if let Some(device) = cuda {
-            attr.iface = sys::FI_HMEM_CUDA;
-            attr.device.cuda = device as std::os::raw::c_int;
+        let mut dmabuf: Option<sys::shim_fi_mr_dmabuf> = None;
+        let (device, mut flags) = match memory {
+            MrMemory::Host => (-1, 0),
+            MrMemory::Cuda(device) => (device as i32, 0),
+            MrMemory::Dmabuf(device, range) => {
+                dmabuf = Some(sys::shim_fi_mr_dmabuf {
+                    fd: range.fd.as_raw_fd(),
+                    offset: range.offset,
+                    len,
+                    base_addr: range.base as *mut std::ffi::c_void,
+                });
+                (device.map_or(-1, |d| d as i32), sys::SHIM_FI_MR_DMABUF)
+            }
+        };
+        if device >= 0 {
             // The memory is device memory only (never host-accessible): shm then moves it by
             // CUDA IPC instead of staging it through shared host memory (1.7 GB/s measured).
             flags |= sys::FI_HMEM_DEVICE_ONLY;
         }
+        let dmabuf_ptr = dmabuf.as_ref().map_or(ptr::null(), |d| d as *const _);
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
-        // SAFETY: domain is open; `attr` and the iovec it points to live across the call; the
-        // caller guarantees ptr/len describe memory that stays valid while registered.
-        let ret = unsafe { sys::shim_fi_mr_regattr(fids.domain, &attr, flags, &mut mr) };
+        // SAFETY: domain is open; the iovec and the dmabuf description live across the call (the
+        // provider copies them); the caller guarantees ptr/len describe memory that stays valid
+        // while registered, and a DMA-BUF range outlives the registration (the caller keeps it).
+        let ret = unsafe {
+            sys::shim_fi_mr_regattr2(
+                fids.domain,
+                &iov,
+                dmabuf_ptr,
+                access.flags(),
+                requested_key,
+                device,
+                flags,
+                &mut mr,
+            )
+        };
         if ret != 0 {
             return Err(libfabric_error("fi_mr_regattr", ret.into()));
         }
-        let mut this = LocalMr { mr, desc: ptr::null_mut(), key: 0, remote_base: 0, _domain: fids.clone() };
+        let mut this =
+            LocalMr { mr, desc: ptr::null_mut(), key: 0, remote_base: 0, dmabuf: None, _domain: fids.clone() };
         if mr_mode & sys::FI_MR_ENDPOINT as u64 != 0 {
             // SAFETY: mr and ep are open objects of the same domain.
             let ret = unsafe { sys::shim_fi_mr_bind(mr, &mut (*fids.ep).fid, 0) };
