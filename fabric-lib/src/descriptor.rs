@@ -73,6 +73,9 @@ pub struct MrDescriptor {
     /// Where peers on other hosts put staged chunks for this region (GPU memory the NIC cannot
     /// reach, on an owner with staging on).
     pub landing: Option<Landing>,
+    /// Peers may read the region (`submit_read`): the owner opted in at registration, and only
+    /// then do its keys carry remote-read access. Readers check this before posting.
+    pub remote_read: bool,
 }
 
 impl MrDescriptor {
@@ -154,6 +157,18 @@ impl MrDescriptor {
         self.landing.is_some()
     }
 
+    /// Checks that the owner made the region remotely readable.
+    pub fn check_readable(&self) -> Result<()> {
+        if self.remote_read {
+            return Ok(());
+        }
+        Err(FabricError::NotReadable(format!(
+            "the peer region at {:#x} ({} bytes) was registered for remote writes only; its owner must \
+             register it with remote_read=True for peers to read it",
+            self.base, self.len
+        )))
+    }
+
     /// Checks that `[offset, offset + len)` lies inside the region.
     pub fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         check_range("destination", self.len, offset, len)
@@ -200,6 +215,7 @@ mod tests {
             owner,
             cuda: None,
             landing: None,
+            remote_read: false,
         }
     }
 

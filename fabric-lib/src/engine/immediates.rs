@@ -3,7 +3,7 @@ use std::sync::atomic::Ordering;
 
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Target, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, Target, Transfer, SCRATCH_REGION};
 use crate::completion::{Notify, OnDone};
 use crate::descriptor::MrDescriptor;
 use crate::error::{FabricError, Result};
@@ -14,11 +14,7 @@ impl TransferEngine {
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
     /// network keys, into its owner engine's immediate slot: the receiver counts it the same).
     pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
-        if !dst.network_reachable() {
-            return self.submit_imm_to(imm, &dst.owner, on_done);
-        }
-        let target = self.region_target(dst)?;
-        self.submit_imm_to_targets(imm, vec![target], on_done)
+        self.command(self.plan_imm(imm, dst, Notify::Callback(on_done))?)
     }
 
     /// Sends only an immediate to an engine (its immediate slot); no region needed.
@@ -27,7 +23,17 @@ impl TransferEngine {
         self.submit_imm_to_targets(imm, vec![target], on_done)
     }
 
+    /// Plans an immediate to the owner of `dst` (through the region's keys where it has them).
+    pub(super) fn plan_imm(&self, imm: u32, dst: &MrDescriptor, on_done: Notify) -> Result<Command> {
+        let target = if dst.network_reachable() { self.region_target(dst)? } else { self.engine_target(&dst.owner)? };
+        Ok(self.plan_imm_to_targets(imm, vec![target], on_done))
+    }
+
     fn submit_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: OnDone) -> Result<()> {
+        self.command(self.plan_imm_to_targets(imm, targets, Notify::Callback(on_done)))
+    }
+
+    pub(super) fn plan_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: Notify) -> Command {
         let n = self.num_domains();
         let start = self.rotate(targets.len());
         let mut shards: Vec<Shard> = (0..targets.len())
@@ -41,13 +47,7 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
-        self.submit_transfer(Transfer {
-            region: SCRATCH_REGION,
-            targets,
-            shards,
-            deferred,
-            on_done: Notify::Callback(on_done),
-        })
+        Command::Transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done })
     }
 
     /// Registers a set of peer engines for scatters and barriers.

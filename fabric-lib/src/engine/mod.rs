@@ -30,6 +30,14 @@ pub struct DomainStats {
     pub bytes: u64,
 }
 
+/// How [`TransferEngine::register_memory_with`] registers a region.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegisterOptions {
+    /// Let peers read the region (`submit_read`). Off by default: a region is then remotely
+    /// writable only, and its keys refuse reads in the provider.
+    pub remote_read: bool,
+}
+
 /// A registered region of this engine, as returned by [`TransferEngine::register_memory`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MrHandle(pub u64);
@@ -71,6 +79,8 @@ pub struct TransferEngine {
     /// Every domain moves GPU memory itself (FI_HMEM): GPU regions are registered with the NIC.
     hmem: bool,
     staging: Arc<crate::staging::StagingCounters>,
+    /// Every domain issues and serves RMA reads (FI_READ | FI_REMOTE_READ).
+    rma_read: bool,
 }
 
 impl TransferEngine {
@@ -126,6 +136,7 @@ impl TransferEngine {
             stats: info.stats.clone(),
             hmem: info.hmem,
             staging: info.staging.clone(),
+            rma_read: info.read,
         })
     }
 
@@ -284,7 +295,11 @@ mod counters;
 mod immediates;
 mod memory;
 mod messages;
+mod reads;
 mod routing;
 mod scatter;
 mod signals;
+mod triggers;
 mod writes;
+
+pub use triggers::Trigger;

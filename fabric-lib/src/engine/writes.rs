@@ -29,6 +29,11 @@ impl TransferEngine {
     }
 
     fn submit_write_notify(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<()> {
+        self.command(self.plan_write(req, on_done)?)
+    }
+
+    /// Checks and plans a write into the command that carries it (posted now, or armed).
+    pub(super) fn plan_write(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<Command> {
         check_range("source", self.region_len(req.src)?, req.src_offset, req.len)?;
         let route = self.route(req.src, req.dst)?;
         req.dst.check_range(req.dst_offset, req.len)?;
@@ -43,11 +48,11 @@ impl TransferEngine {
             Route::SameHost(local) => {
                 let copy =
                     SameHostCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
-                return self.submit_same_host(req.src, req.dst, local, copy, req.imm, on_done);
+                return self.plan_same_host(req.src, req.dst, local, copy, req.imm, on_done);
             }
             Route::Staged(staged) => {
                 let pieces = vec![(req.src_offset, req.dst_offset, req.len)];
-                return self.submit_staged(req.src, req.dst, staged, pieces, req.imm, on_done);
+                return self.plan_staged(req.src, req.dst, staged, pieces, req.imm, on_done);
             }
         };
         let pieces = match req.domains {
@@ -69,7 +74,7 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &[req.imm]);
-        self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done })
+        Ok(Command::Transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done }))
     }
 
     /// Posts a paged write (see [`PagedWriteRequest`]); every page index is checked against both
@@ -128,7 +133,8 @@ impl TransferEngine {
                         (src, u64::from(d) * req.dst_stride + req.dst_offset, req.page_len)
                     })
                     .collect();
-                return self.submit_staged(req.src, req.dst, staged, pieces, req.imm, Notify::Callback(on_done));
+                let on_done = Notify::Callback(on_done);
+                return self.command(self.plan_staged(req.src, req.dst, staged, pieces, req.imm, on_done)?);
             }
         };
         let n = self.num_domains();
@@ -166,15 +172,28 @@ impl TransferEngine {
         imm: Option<u32>,
         on_done: Notify,
     ) -> Result<()> {
+        self.command(self.plan_same_host(src, dst, local, copy, imm, on_done)?)
+    }
+
+    fn plan_same_host(
+        &self,
+        src: MrHandle,
+        dst: &MrDescriptor,
+        local: SameHostDst,
+        copy: SameHostCopy,
+        imm: Option<u32>,
+        on_done: Notify,
+    ) -> Result<Command> {
         let imm = match imm {
             Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
             None => None,
         };
-        self.command(Command::SameHost(SameHostTransfer { region: src.0, dst: local, copy, imm, on_done }))
+        Ok(Command::SameHost(SameHostTransfer { region: src.0, dst: local, copy, imm, on_done }))
     }
 
-    /// A staged write (see `staging`): `pieces` are (source offset, destination offset, length).
-    fn submit_staged(
+    /// Plans a staged write (see `staging`): `pieces` are (source offset, destination offset,
+    /// length).
+    fn plan_staged(
         &self,
         src: MrHandle,
         dst: &MrDescriptor,
@@ -182,7 +201,7 @@ impl TransferEngine {
         pieces: Vec<(u64, u64, u64)>,
         imm: Option<u32>,
         on_done: Notify,
-    ) -> Result<()> {
+    ) -> Result<Command> {
         if pieces.iter().all(|p| p.2 == 0) {
             // No bytes to stage: the immediate alone goes to the owner's immediate slot.
             let targets = vec![self.engine_target(&dst.owner)?];
@@ -194,9 +213,9 @@ impl TransferEngine {
                 None => Vec::new(),
             };
             let deferred = plan_imms(&mut shards, &[imm]);
-            return self.submit_transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done });
+            return Ok(Command::Transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done }));
         }
         let StagedRoute { bounce, target, dest } = route;
-        self.command(Command::Staged(StagedTransfer { region: src.0, bounce, target, dest, pieces, imm, on_done }))
+        Ok(Command::Staged(StagedTransfer { region: src.0, bounce, target, dest, pieces, imm, on_done }))
     }
 }

@@ -16,6 +16,9 @@
 //!   copy when the peer is this process). Needs ptrace permission over the peer (same user and
 //!   Yama `ptrace_scope` 0, or CAP_SYS_PTRACE).
 //!
+//! Reads (a peer region into a local one, GPU memory on either side) mirror these paths; see
+//! `read.rs`.
+//!
 //! Every copy runs on a worker-owned stream per device and ends with an event; the worker polls
 //! those events alongside its completion queues (never a blocking synchronize). Completions of
 //! one device come in submission order.
@@ -24,6 +27,7 @@ use crate::error::Result;
 
 mod channel;
 mod process_vm;
+mod read;
 mod to_gpu;
 mod to_host;
 
