@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use fabric_lib::staging::StagingConfig;
 use fabric_lib::{
     DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, MrHandle, PagedWriteRequest, PollMode,
-    ProviderSpec, TransferEngine, WriteRequest,
+    ProviderSpec, TransferEngine, Trigger, WriteRequest,
 };
 
 const REGION: usize = 1 << 20;
@@ -375,6 +375,32 @@ fn slots_of_a_writer_that_went_away_serve_others_after_the_timeout() {
     assert!(started.elapsed() >= Duration::from_millis(1500), "the abandoned slots were not held");
     drop((a, c, b));
     assert_eq!(&dst_buf[..300_000], &src_buf[..300_000]);
+}
+
+#[test]
+fn an_armed_staged_write_fires_on_its_trigger() {
+    let mut src_buf = filled(11);
+    let mut dst_buf = vec![0u8; REGION];
+    let p = pair(&mut src_buf, &mut dst_buf, true, true);
+    let (tx, rx) = mpsc::channel();
+    let req = WriteRequest {
+        src: p.src,
+        src_offset: 3,
+        len: 100_000,
+        dst: &p.dst,
+        dst_offset: 5,
+        imm: Some(61),
+        domains: DomainChoice::Shard(1),
+    };
+    let when = Trigger { imm: 60, count: 1, timeout: Some(BOUND) };
+    p.a.arm_write(when, &req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "fired before its trigger");
+    p.b.submit_imm_to(60, p.a.main_address(), Box::new(|_| {})).unwrap();
+    rx.recv_timeout(BOUND).expect("fired and completed").unwrap();
+    p.b.wait_imm_count(61, 1, BOUND).unwrap();
+    assert_eq!(p.a.staging_stats().requests_sent, 1);
+    drop(p);
+    assert_eq!(&dst_buf[5..100_005], &src_buf[3..100_003]);
 }
 
 #[test]
