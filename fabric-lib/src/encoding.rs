@@ -14,7 +14,8 @@ use crate::error::{FabricError, Result};
 /// 3: addresses carry the receiver's max_message_size; a CRC-32 of the bytes before it ends them.
 /// 4: writes carry the writer's epoch tag above the immediate in their remote CQ data, and
 ///    re-admission is a handshake of control messages (`epoch`).
-pub const ENCODING_VERSION: u16 = 4;
+/// 5: addresses carry the engine's same-host immediate inbox.
+pub const ENCODING_VERSION: u16 = 5;
 const HEADER_LEN: usize = 10;
 const CHECKSUM_LEN: usize = 4;
 

@@ -3,7 +3,7 @@ use std::sync::atomic::Ordering;
 
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Target, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, SameHostTransfer, Target, Transfer, SCRATCH_REGION};
 use crate::completion::{Notify, OnDone};
 use crate::descriptor::MrDescriptor;
 use crate::error::{FabricError, Result};
@@ -14,15 +14,21 @@ impl TransferEngine {
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
     /// network keys, into its owner engine's immediate slot: the receiver counts it the same).
     pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
-        if !dst.network_reachable() {
+        if !dst.network_reachable() || self.same_host_imm(&dst.owner) {
             return self.submit_imm_to(imm, &dst.owner, on_done);
         }
         let target = self.region_target(dst)?;
         self.submit_imm_to_targets(imm, vec![target], on_done)
     }
 
-    /// Sends only an immediate to an engine (its immediate slot); no region needed.
+    /// Sends only an immediate to an engine (its immediate slot, or with `same_host_host_memory`
+    /// its same-host inbox); no region needed.
     pub fn submit_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: OnDone) -> Result<()> {
+        if self.same_host_imm(peer) {
+            let imm = Some(self.same_host_imm_target(imm, peer)?);
+            let on_done = Notify::Callback(on_done);
+            return self.command(Command::SameHost(SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done }));
+        }
         let target = self.engine_target(peer)?;
         self.submit_imm_to_targets(imm, vec![target], on_done)
     }

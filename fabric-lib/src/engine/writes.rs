@@ -151,9 +151,9 @@ impl TransferEngine {
         on_done: Notify,
     ) -> Result<()> {
         let imm = match imm {
-            Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
+            Some(imm) => Some(self.same_host_imm_target(imm, &dst.owner)?),
             None => None,
         };
-        self.command(Command::SameHost(SameHostTransfer { region: src.0, dst: local, copy, imm, on_done }))
+        self.command(Command::SameHost(SameHostTransfer { region: src.0, write: Some((local, copy)), imm, on_done }))
     }
 }

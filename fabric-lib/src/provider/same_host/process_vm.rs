@@ -1,5 +1,6 @@
 //! Writing bytes into another process's host memory (`process_vm_writev`): the last step of a
-//! GPU → host same-host write, whose data CUDA staged in pinned memory of this process.
+//! GPU → host same-host write (whose data CUDA staged in pinned memory of this process), and the
+//! whole of a host → host one.
 use crate::error::{FabricError, Result};
 
 /// Writes `pieces` (local offset, remote address, length) into process `pid`.
@@ -46,7 +47,7 @@ pub(super) unsafe fn process_vm_write(pid: u32, base: *const u8, pieces: &[(usiz
                     _ => "",
                 };
                 return Err(FabricError::TransferFailed(format!(
-                    "writing GPU data into host memory of process {pid} with process_vm_writev: {err}{hint}"
+                    "writing into host memory of process {pid} with process_vm_writev: {err}{hint}"
                 )));
             }
             if n == 0 {
