@@ -227,8 +227,8 @@ class TransferEngine:
             way; a refusal fails the registration) ["auto"]. ``region.registration`` says which.
         same_host_inbox_slots: entries of this engine's same-host immediate inbox, a power of
             two (0: none; same-host writers then announce immediates over the provider) [4096].
-        same_host_host_memory: also carry host-to-host writes and ``submit_imm`` /
-            ``submit_imm_to`` to engines of other processes on this host the same-host way:
+        same_host_host_memory: also carry host-to-host writes and ``submit_imm`` to engines
+            of other processes on this host the same-host way:
             ``process_vm_writev`` (needs ptrace permission over the peer: same user and Yama
             ``ptrace_scope`` 0, or CAP_SYS_PTRACE) and the peer's inbox, not the provider
             [False].

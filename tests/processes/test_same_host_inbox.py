@@ -108,6 +108,11 @@ def posted_ops(state: PeerState) -> int:
     return _posted(state.engine)
 
 
+def count_of(state: PeerState, imm: int) -> int:
+    """Arrivals of ``imm`` counted and not yet consumed."""
+    return imm_value(state.engine, imm)
+
+
 def refused_immediates(state: PeerState) -> int:
     return int(state.engine.refused_immediates)
 
@@ -117,9 +122,9 @@ def stale_immediates(state: PeerState) -> int:
 
 
 def imm_flood(state: PeerState, peer: bytes, imm: int, count: int, timeout: float = 60.0) -> int:
-    """``count`` ``submit_imm_to`` at once; the number that succeeded."""
+    """``count`` ``submit_imm`` to an EngineAddress at once; the number that succeeded."""
     address = fabric_lib.EngineAddress.from_bytes(peer)
-    futures = [state.engine.submit_imm_to(imm, address) for _ in range(count)]
+    futures = [state.engine.submit_imm(imm, address) for _ in range(count)]
     deadline = time.monotonic() + timeout
     ok = 0
     for f in futures:
@@ -129,7 +134,7 @@ def imm_flood(state: PeerState, peer: bytes, imm: int, count: int, timeout: floa
 
 
 def imm_stream(state: PeerState, peer: bytes, imm: int, count: int, window: int = 64) -> int:
-    """``count`` ``submit_imm_to`` with at most ``window`` in flight; the number that succeeded."""
+    """``count`` ``submit_imm`` to an EngineAddress with at most ``window`` in flight; the number that succeeded."""
     address = fabric_lib.EngineAddress.from_bytes(peer)
     slots = threading.Semaphore(window)
     done = 0
@@ -143,7 +148,7 @@ def imm_stream(state: PeerState, peer: bytes, imm: int, count: int, window: int 
 
     for _ in range(count):
         assert slots.acquire(timeout=30)
-        state.engine.submit_imm_to(imm, address).add_done_callback(finished)
+        state.engine.submit_imm(imm, address).add_done_callback(finished)
     for _ in range(window):
         assert slots.acquire(timeout=30)
     return done
@@ -212,11 +217,11 @@ def test_full_ring_holds_writers_back_and_drops_nothing(small_inbox: Peer) -> No
     rx = small_inbox
     peer = fabric_lib.EngineAddress.from_bytes(rx.address)
     with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **WRITER_OPTIONS) as e:
-        e.submit_imm_to(1, peer).result(timeout=10)
+        e.submit_imm(1, peer).result(timeout=10)
         assert rx.call(wait_imms, {1: 1}) == {1: 0}  # the ring is empty
         _stop(rx.pid)
         try:
-            futures = [e.submit_imm_to(2, peer) for _ in range(200)]
+            futures = [e.submit_imm(2, peer) for _ in range(200)]
             time.sleep(1.0)
             done = [f for f in futures if f.done()]
             assert len(done) == 8, "exactly a ring's worth is in before the receiver drains it"
@@ -240,12 +245,12 @@ def test_epoch_filter_drops_same_host_immediates_of_an_ended_epoch(small_inbox: 
     options = {**WRITER_OPTIONS, "transfer_timeout": 1.5}
     try:
         with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **options) as e:
-            e.submit_imm_to(5, peer).result(timeout=10)  # connects; one of the old epoch
+            e.submit_imm(5, peer).result(timeout=10)  # connects; one of the old epoch
             assert rx.call(wait_imms, {5: 1}) == {5: 0}
             _stop(rx.pid)
             try:
                 start = raw.tail()
-                futures = [e.submit_imm_to(6, peer) for _ in range(20)]
+                futures = [e.submit_imm(6, peer) for _ in range(20)]
                 outcomes = []
                 for f in futures:
                     try:
@@ -257,13 +262,13 @@ def test_epoch_filter_drops_same_host_immediates_of_an_ended_epoch(small_inbox: 
                 seq, old_tag, imm = raw.entry(start)
                 assert (seq, imm) == (start + 1, 6) and old_tag not in (0, CONTROL_TAG)
                 with pytest.raises(PeerFencedError):
-                    e.submit_imm_to(6, peer).result(timeout=10)
+                    e.submit_imm(6, peer).result(timeout=10)
             finally:
                 os.kill(rx.pid, signal.SIGCONT)
             readmission = e.readmit_peer(peer)
             assert readmission.fenced and readmission.counted == {5: 1, 6: 8}
             raw.forge(None, old_tag, 6)  # a late entry of the ended epoch
-            e.submit_imm_to(7, peer).result(timeout=10)
+            e.submit_imm(7, peer).result(timeout=10)
             assert rx.call(wait_imms, {6: 8, 7: 1}, settle=0.3) == {6: 0, 7: 0}
             assert rx.call(stale_immediates) == 1
     finally:
@@ -303,10 +308,10 @@ def test_garbage_in_the_inbox_is_refused_and_counts_stay_exact(
             forged_counts[imm] = forged_counts.get(imm, 0) + 1
         else:
             expect_refused += 1
-    assert rx.call(imm_value, 11) == 0
+    assert rx.call(count_of, 11) == 0
     with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **WRITER_OPTIONS) as e:
         address = fabric_lib.EngineAddress.from_bytes(peer)
-        for f in [e.submit_imm_to(11, address) for _ in range(50)]:
+        for f in [e.submit_imm(11, address) for _ in range(50)]:
             f.result(timeout=10)
     assert rx.call(wait_imms, {11: 50, **forged_counts}, settle=0.1) == dict.fromkeys({11, *forged_counts}, 0)
     assert rx.call(refused_immediates) - before == expect_refused
@@ -333,7 +338,7 @@ def test_explicit_garbage_entries_are_refused(garbage_group: tuple[Peer, RawInbo
         assert time.monotonic() < deadline, "the receiver did not refuse the garbage"
         time.sleep(0.01)
     assert rx.call(refused_immediates) - before == 3
-    assert rx.call(imm_value, 9) == 0
+    assert rx.call(count_of, 9) == 0
 
 
 # -- 3. a killed writer -------------------------------------------------------------------------
@@ -348,7 +353,7 @@ def test_a_killed_writer_costs_the_others_nothing() -> None:
         with pytest.raises(RankError):
             killed.result(timeout=10)
         assert rx.call(wait_imms, {22: 20_000}, settle=0.3) == {22: 0}
-        assert rx.call(imm_value, 21) > 0, "the victim was writing when it died"
+        assert rx.call(count_of, 21) > 0, "the victim was writing when it died"
         assert survivor.call(imm_flood, peer=rx.address, imm=23, count=100) == 100
         assert rx.call(wait_imms, {23: 100}) == {23: 0}
         assert rx.call(refused_immediates) == 0
@@ -366,7 +371,7 @@ def test_a_receiver_without_inbox_gets_immediates_over_the_provider() -> None:
             src = np.arange(4096, dtype=np.uint8)
             region = e.register_memory(src.ctypes.data, src.nbytes, src)
             futures = [e.submit_write(region, dst, 4096, imm=31) for _ in range(100)]
-            futures += [e.submit_imm_to(32, peer) for _ in range(100)]
+            futures += [e.submit_imm(32, peer) for _ in range(100)]
             for f in futures:
                 f.result(timeout=30)
             assert rx.call(wait_imms, {31: 100, 32: 100}) == {31: 0, 32: 0}
@@ -378,7 +383,7 @@ def test_without_the_option_host_writes_take_the_provider(small_inbox: Peer) -> 
     rx = small_inbox
     peer = fabric_lib.EngineAddress.from_bytes(rx.address)
     with fabric_lib.TransferEngine("tcp", poll_mode="adaptive") as e:
-        for f in [e.submit_imm_to(41, peer) for _ in range(20)]:
+        for f in [e.submit_imm(41, peer) for _ in range(20)]:
             f.result(timeout=30)
         assert rx.call(wait_imms, {41: 20}) == {41: 0}
         assert _posted(e) == 20
