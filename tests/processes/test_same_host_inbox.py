@@ -184,7 +184,7 @@ def plans(draw: st.DrawFn) -> tuple[list[int], list[WriteOp]]:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 @given(plan=plans())
 def test_concurrent_same_host_writes_count_exactly_once(
     group: list[Peer], plan: tuple[list[int], list[WriteOp]]
