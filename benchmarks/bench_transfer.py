@@ -237,9 +237,12 @@ def same_host_summary(rounds: list[dict]) -> dict:
     """Medians of the same-host runs (process_vm_writev + shared-memory inbox)."""
     return {
         "throughput": {
-            t["size"]: combine(rounds, lambda r, s=t["size"]: next(
-                (x["gbytes_per_s"] for x in r["throughput"] if x["size"] == s), None
-            ))
+            t["size"]: combine(
+                rounds,
+                lambda r, s=t["size"]: next(
+                    (x["gbytes_per_s"] for x in r["throughput"] if x["size"] == s), None
+                ),
+            )
             for t in rounds[0]["throughput"]
         },
         "mops_per_s": combine(rounds, lambda r: (r.get("op_rate") or {}).get("mops_per_s")),
@@ -249,7 +252,10 @@ def same_host_summary(rounds: list[dict]) -> dict:
 
 
 def compare(
-    raw_rounds: list[dict], fab_rounds: list[dict], sizes: list[int], same_host_rounds: list[dict] | None = None
+    raw_rounds: list[dict],
+    fab_rounds: list[dict],
+    sizes: list[int],
+    same_host_rounds: list[dict] | None = None,
 ) -> dict:
     def size_pick(size, key):
         return lambda r: next((t[key] for t in r["throughput"] if t["size"] == size), None)

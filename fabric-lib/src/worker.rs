@@ -431,8 +431,14 @@ impl Worker {
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
         let id = self.next_request;
         self.next_request += 1;
-        let request =
-            Request { remaining: parts, error: None, on_done, deferred: Vec::new(), peers: Vec::new(), inbox_imm: None };
+        let request = Request {
+            remaining: parts,
+            error: None,
+            on_done,
+            deferred: Vec::new(),
+            peers: Vec::new(),
+            inbox_imm: None,
+        };
         self.requests.insert(id, request);
         self.deadlines.push_back((deadline_after(self.transfer_timeout), id));
         id

@@ -401,4 +401,3 @@ def test_inbox_is_announced_and_travels_with_the_address() -> None:
         assert inbox is not None and inbox[0] == os.getpid() and inbox[3] == 64
         again = fabric_lib.EngineAddress.from_bytes(e.main_address.to_bytes())
         assert again.same_host_inbox == inbox
-

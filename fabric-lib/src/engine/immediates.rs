@@ -27,7 +27,12 @@ impl TransferEngine {
         if self.same_host_imm(peer) {
             let imm = Some(self.same_host_imm_target(imm, peer)?);
             let on_done = Notify::Callback(on_done);
-            return self.command(Command::SameHost(SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done }));
+            return self.command(Command::SameHost(SameHostTransfer {
+                region: SCRATCH_REGION,
+                write: None,
+                imm,
+                on_done,
+            }));
         }
         let target = self.engine_target(peer)?;
         self.submit_imm_to_targets(imm, vec![target], on_done)

@@ -275,7 +275,8 @@ impl PeerInbox {
             if seq == position {
                 let entry = pack(position.wrapping_add(1), tag, imm);
                 if slot.compare_exchange(current, entry, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                    let _ = tail.compare_exchange(position, position.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed);
+                    let _ =
+                        tail.compare_exchange(position, position.wrapping_add(1), Ordering::AcqRel, Ordering::Relaxed);
                     return true;
                 }
             } else if seq == position.wrapping_add(1) || seq == position.wrapping_add(self.slots) {
