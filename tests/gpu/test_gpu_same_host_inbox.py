@@ -9,7 +9,7 @@ Skips without CUDA.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import fabric_lib
 import fabric_lib.cuda as fcuda
@@ -76,7 +76,9 @@ def take(rx: _Receiver, imm: int, n: int, which: str) -> tuple[bytes, int]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("completion", ["auto", "transmit"])
 @pytest.mark.parametrize("inbox_slots", [4096, 16, 0], ids=["inbox", "small-inbox", "no-inbox"])
-def test_same_host_gpu_immediates_take_the_inbox(completion: str, inbox_slots: int) -> None:
+def test_same_host_gpu_immediates_take_the_inbox(
+    completion: Literal["auto", "transmit"], inbox_slots: int
+) -> None:
     options = {"same_host_inbox_slots": inbox_slots}
     with spawn_ranks(
         1, setup=open_receiver, setup_kwargs={"options": options}, teardown=stop_receiver, timeout=120

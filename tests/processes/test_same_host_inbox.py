@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import fabric_lib
 import numpy as np
@@ -44,7 +45,7 @@ SRC_SIZE = 1 << 20
 DST_SIZE = WRITERS * OPS_PER_WRITER * MAX_WRITE
 SRC_SEEDS = {w: 3001 + w for w in range(WRITERS)}
 INIT_SEED = 77
-WRITER_OPTIONS = {"same_host_host_memory": True, "transfer_timeout": 30.0}
+WRITER_OPTIONS: dict[str, Any] = {"same_host_host_memory": True, "transfer_timeout": 30.0}
 CONTROL_TAG = 2**32 - 1
 
 
@@ -242,7 +243,7 @@ def test_epoch_filter_drops_same_host_immediates_of_an_ended_epoch(small_inbox: 
     rx = small_inbox
     peer = fabric_lib.EngineAddress.from_bytes(rx.address)
     raw = RawInbox(peer)
-    options = {**WRITER_OPTIONS, "transfer_timeout": 1.5}
+    options: dict[str, Any] = {**WRITER_OPTIONS, "transfer_timeout": 1.5}
     try:
         with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **options) as e:
             e.submit_imm(5, peer).result(timeout=10)  # connects; one of the old epoch
