@@ -101,3 +101,28 @@ fn same_host_writes_and_immediates_skip_the_provider() {
 fn without_an_inbox_the_immediates_take_the_provider() {
     assert_eq!(round(0), 16 + 1 + 100, "one zero-byte write per immediate");
 }
+
+#[test]
+fn an_inbox_that_cannot_be_opened_falls_back_to_the_provider() {
+    let a = engine(true, 4096);
+    let b = engine(false, 4096);
+    // The address names descriptor 0 (not an inbox memfd), or carries a stale nonce: the writer
+    // refuses to map it and announces over the provider instead.
+    for forge in [|i: &mut fabric_lib::InboxAddress| i.fd = 0, |i: &mut fabric_lib::InboxAddress| i.nonce ^= 1] {
+        let mut peer = b.main_address().clone();
+        forge(peer.inbox.as_mut().expect("b has an inbox"));
+        let before = posted(&a);
+        let (tx, rx) = mpsc::channel();
+        for _ in 0..10 {
+            let tx = tx.clone();
+            a.submit_imm_to(9, &peer, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+        }
+        for _ in 0..10 {
+            rx.recv_timeout(T).expect("completion in time").expect("request ok");
+        }
+        b.wait_imm_count(9, 10, T).unwrap();
+        assert_eq!(posted(&a) - before, 10, "each immediate went over the provider");
+    }
+    a.stop();
+    b.stop();
+}

@@ -223,7 +223,10 @@ def test_full_ring_holds_writers_back_and_drops_nothing(small_inbox: Peer) -> No
         _stop(rx.pid)
         try:
             futures = [e.submit_imm(2, peer) for _ in range(200)]
-            time.sleep(1.0)
+            deadline = time.monotonic() + 10
+            while sum(f.done() for f in futures) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # room for more, were the ring not full
             done = [f for f in futures if f.done()]
             assert len(done) == 8, "exactly a ring's worth is in before the receiver drains it"
             assert all(f.exception() is None for f in done)
