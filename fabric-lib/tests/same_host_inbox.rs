@@ -37,6 +37,7 @@ fn round(inbox_slots: usize) -> u64 {
     assert_eq!(b.main_address().inbox.is_some(), inbox_slots > 0);
     // SAFETY: both buffers outlive the engines (dropped at the end of this function, first).
     let (src_h, _) = unsafe { a.register_memory(src.as_mut_ptr(), src.len(), MemoryKind::Host) }.unwrap();
+    // SAFETY: as above.
     let (_, dst_desc) = unsafe { b.register_memory(dst.as_mut_ptr(), dst.len(), MemoryKind::Host) }.unwrap();
     let (tx, rx) = mpsc::channel();
     let done = |tx: &mpsc::Sender<fabric_lib::Result<()>>| {
