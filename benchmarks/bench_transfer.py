@@ -5,7 +5,8 @@
 Builds `fabric-debug` (``cargo build --release -p fabric-debug``) if its binary is missing,
 compiles ``benchmarks/raw_libfabric/raw_write.c`` into ``<target>/raw_libfabric/``, then runs a
 server/client pair of each on loopback with the same sizes, window and repetitions, and prints
-one table: throughput per size (raw, fabric-lib, ratio), 64-byte op rate, and imm round-trip
+one table: write throughput per size (raw, fabric-lib, ratio), read throughput per
+``--read-sizes`` (``fi_read`` against ``submit_read``), 64-byte op rate, and imm round-trip
 latency. Results go to ``bench-results/bench_transfer.json`` (the shared result format of
 ``benchmarks/report.py``) with a throughput plot beside it, unless ``--json-out`` says
 otherwise; ``python -m benchmarks.compare A.json B.json`` compares two runs. A failed run exits
@@ -33,6 +34,7 @@ from benchmarks.report import progress, write_result
 REPO = Path(__file__).resolve().parent.parent
 RAW_SOURCE = REPO / "benchmarks" / "raw_libfabric" / "raw_write.c"
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+DEFAULT_READ_SIZES = "4K,64K,1M,16M"
 
 _children: list[subprocess.Popen] = []
 
@@ -194,6 +196,8 @@ def common_args(a: argparse.Namespace) -> list[str]:
         "--warmup-iters",
         str(a.warmup_iters),
     ]
+    if a.read_sizes:
+        args += ["--read-sizes", a.read_sizes]
     return args + (["--domain", a.domain] if a.domain else [])
 
 
@@ -204,6 +208,7 @@ def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {
         "throughput": [t for t in tests if t["test"] == "throughput"],
+        "read_throughput": [t for t in tests if t["test"] == "read_throughput"],
         "op_rate": next((t for t in tests if t["test"] == "op_rate"), None),
         "rtt": next((t for t in tests if t["test"] == "rtt"), None),
     }
@@ -216,6 +221,8 @@ def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path, same_host: boo
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
     client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
+    if a.read_sizes:
+        client += ["--tests", "throughput,read,oprate,rtt"]
     out = run_pair("fabric-lib", server, client, a.timeout, logdir)
     try:
         return json.loads(out.strip().splitlines()[-1])
@@ -255,18 +262,29 @@ def compare(
     raw_rounds: list[dict],
     fab_rounds: list[dict],
     sizes: list[int],
+    read_sizes: list[int] | None = None,
     same_host_rounds: list[dict] | None = None,
 ) -> dict:
-    def size_pick(size, key):
-        return lambda r: next((t[key] for t in r["throughput"] if t["size"] == size), None)
+    def size_pick(size, key, series="throughput"):
+        return lambda r: next((t[key] for t in r.get(series, []) if t["size"] == size), None)
 
-    rows = []
-    for size in sizes:
-        raw = combine(raw_rounds, size_pick(size, "gbytes_per_s"))
-        fab = combine(fab_rounds, size_pick(size, "gbytes_per_s"))
-        rows.append(
-            {"size": size, "raw_gbytes_per_s": raw, "fabric_lib_gbytes_per_s": fab, "ratio": ratio(raw, fab)}
-        )
+    def rows_of(series: str, of_sizes: list[int]) -> list[dict]:
+        rows = []
+        for size in of_sizes:
+            raw = combine(raw_rounds, size_pick(size, "gbytes_per_s", series))
+            fab = combine(fab_rounds, size_pick(size, "gbytes_per_s", series))
+            rows.append(
+                {
+                    "size": size,
+                    "raw_gbytes_per_s": raw,
+                    "fabric_lib_gbytes_per_s": fab,
+                    "ratio": ratio(raw, fab),
+                }
+            )
+        return rows
+
+    rows = rows_of("throughput", sizes)
+    read_rows = rows_of("read_throughput", read_sizes or [])
     op = lambda r: (r.get("op_rate") or {}).get("mops_per_s")  # noqa: E731
     raw_op, fab_op = combine(raw_rounds, op), combine(fab_rounds, op)
     op_ratio = ratio(raw_op, fab_op)
@@ -276,6 +294,7 @@ def compare(
             lat[f"{side}_{key}"] = combine(rounds, lambda r, k=key: (r.get("rtt") or {}).get(k))
     return {
         "throughput": rows,
+        "read_throughput": read_rows,
         "same_host": same_host_summary(same_host_rounds) if same_host_rounds else None,
         "op_rate": {
             "size": 64,
@@ -304,6 +323,13 @@ def table(cmp: dict, a: argparse.Namespace, provider: str) -> str:
             f"{format_size(row['size']):>8} {fmt(row['fabric_lib_gbytes_per_s'], '15.3f')} "
             f"{fmt(row['raw_gbytes_per_s'], '13.3f')} {fmt(row['ratio'], '6.2f')}"
         )
+    if cmp.get("read_throughput"):
+        out += ["", f"{'read size':>9} {'fabric-lib GB/s':>15} {'baseline GB/s':>13} {'ratio':>6}"]
+        for row in cmp["read_throughput"]:
+            out.append(
+                f"{format_size(row['size']):>9} {fmt(row['fabric_lib_gbytes_per_s'], '15.3f')} "
+                f"{fmt(row['raw_gbytes_per_s'], '13.3f')} {fmt(row['ratio'], '6.2f')}"
+            )
     op = cmp["op_rate"]
     out += [
         "",
@@ -342,7 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         "--domain", default=None, help="domain (NIC or interface) to use; default: lo for software providers"
     )
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated write sizes (K/M/G suffixes)")
-    p.add_argument("--window", type=int, default=16, help="writes in flight during the throughput test")
+    p.add_argument(
+        "--read-sizes",
+        default=DEFAULT_READ_SIZES,
+        help="comma-separated read sizes of the read test (empty: no read test)",
+    )
+    p.add_argument(
+        "--window", type=int, default=16, help="writes (and reads) in flight during the throughput tests"
+    )
     p.add_argument("--op-window", type=int, default=64, help="writes in flight during the op-rate test")
     p.add_argument(
         "--reps", type=int, default=5, help="timed repetitions per measurement (the median is reported)"
@@ -389,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+        read_sizes = [parse_size(s) for s in a.read_sizes.split(",") if s.strip()]
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
     if min(a.window, a.op_window, a.reps, a.rounds, a.ops, a.iters) <= 0:
@@ -415,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _kill_children()
-    cmp = compare(raw_rounds, fab_rounds, sizes, same_rounds)
+    cmp = compare(raw_rounds, fab_rounds, sizes, read_sizes, same_rounds)
     provider = fab_rounds[-1].get("provider", a.provider)
     print(table(cmp, a, provider))
     throughput = {
@@ -426,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
             {"size": r["size"], "gbytes_per_s": r["raw_gbytes_per_s"]} for r in cmp["throughput"]
         ],
     }
+    if cmp["read_throughput"]:
+        throughput["fabric-lib read"] = [
+            {"size": r["size"], "gbytes_per_s": r["fabric_lib_gbytes_per_s"]} for r in cmp["read_throughput"]
+        ]
+        throughput["raw libfabric read (baseline)"] = [
+            {"size": r["size"], "gbytes_per_s": r["raw_gbytes_per_s"]} for r in cmp["read_throughput"]
+        ]
     results = {
         "comparison": cmp,
         "throughput": throughput,

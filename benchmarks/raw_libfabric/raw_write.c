@@ -4,12 +4,14 @@
  * One thread per process, no library in between: fi_writedata on an FI_EP_RDM endpoint, manual
  * progress by polling the completion queue. It runs the same tests as `fabric-debug client`
  * (single-write throughput per size with `window` writes in flight; 64-byte writedata op rate;
- * zero-byte writedata round trips) and prints one JSON line per test.
+ * zero-byte writedata round trips; with --read-sizes, single-read throughput per size: fi_read
+ * of the server's buffer, `window` reads in flight) and prints one JSON line per test.
  *
  *   raw_write server --provider tcp [--domain lo] --listen 127.0.0.1:0
  *   raw_write client --provider tcp [--domain lo] --connect 127.0.0.1:PORT [--sizes 4K,1M]
  *                    [--window 16] [--reps 5] [--bytes-per-rep 512M] [--op-size 64]
  *                    [--op-window 64] [--ops 200000] [--iters 10000] [--warmup-iters 1000]
+ *                    [--read-sizes 4K,1M]
  *
  * Bootstrap: the server listens on TCP, prints "READY HOST:PORT", and both sides exchange
  * (fi_getname address, rkey, remote base, length). The client then sends commands over the
@@ -76,8 +78,8 @@ static double now_s(void) {
 
 struct opts {
     const char *provider, *domain, *listen, *connect;
-    uint64_t sizes[MAX_SIZES];
-    int nsizes;
+    uint64_t sizes[MAX_SIZES], read_sizes[MAX_SIZES];
+    int nsizes, nread_sizes;
     uint64_t window, reps, bytes_per_rep, op_size, op_window, ops, iters, warmup_iters, buffer_size;
     double timeout;
 };
@@ -98,15 +100,14 @@ static uint64_t parse_size(const char *s) {
     return (uint64_t)v << shift;
 }
 
-static void parse_sizes(struct opts *o, const char *list) {
+static void parse_sizes(uint64_t *sizes, int *n, const char *list) {
     char *copy = strdup(list), *save = NULL;
-    o->nsizes = 0;
+    *n = 0;
     for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        if (o->nsizes == MAX_SIZES) die("too many sizes (max %d)", MAX_SIZES);
-        o->sizes[o->nsizes++] = parse_size(t);
+        if (*n == MAX_SIZES) die("too many sizes (max %d)", MAX_SIZES);
+        sizes[(*n)++] = parse_size(t);
     }
     free(copy);
-    if (!o->nsizes) die("--sizes is empty");
 }
 
 static void parse_opts(struct opts *o, int argc, char **argv) {
@@ -116,12 +117,12 @@ static void parse_opts(struct opts *o, int argc, char **argv) {
         {"reps", 1, 0, 'r'},     {"bytes-per-rep", 1, 0, 'b'}, {"op-size", 1, 0, 'o'},
         {"op-window", 1, 0, 'W'}, {"ops", 1, 0, 'n'},         {"iters", 1, 0, 'i'},
         {"warmup-iters", 1, 0, 'u'}, {"buffer-size", 1, 0, 'B'}, {"timeout", 1, 0, 't'},
-        {0, 0, 0, 0}};
+        {"read-sizes", 1, 0, 'R'}, {0, 0, 0, 0}};
     *o = (struct opts){.provider = "tcp", .listen = "127.0.0.1:18516", .window = 16, .reps = 5,
                        .bytes_per_rep = 512ull << 20, .op_size = 64, .op_window = 64,
                        .ops = 200000, .iters = 10000, .warmup_iters = 1000,
                        .buffer_size = 64ull << 20, .timeout = 60};
-    parse_sizes(o, "4K,16K,64K,256K,1M,4M,16M,64M");
+    parse_sizes(o->sizes, &o->nsizes, "4K,16K,64K,256K,1M,4M,16M,64M");
     int c;
     while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
         switch (c) {
@@ -129,7 +130,11 @@ static void parse_opts(struct opts *o, int argc, char **argv) {
         case 'd': o->domain = optarg; break;
         case 'l': o->listen = optarg; break;
         case 'c': o->connect = optarg; break;
-        case 's': parse_sizes(o, optarg); break;
+        case 's':
+            parse_sizes(o->sizes, &o->nsizes, optarg);
+            if (!o->nsizes) die("--sizes is empty");
+            break;
+        case 'R': parse_sizes(o->read_sizes, &o->nread_sizes, optarg); break;
         case 'w': o->window = parse_size(optarg); break;
         case 'r': o->reps = parse_size(optarg); break;
         case 'b': o->bytes_per_rep = parse_size(optarg); break;
@@ -250,6 +255,18 @@ static int post_write(struct fab *f, const void *buf, size_t len, uint32_t imm, 
     if (ret) {
         f->free_tx[f->nfree++] = slot;
         if (ret != -FI_EAGAIN) die("fi_writedata: %s", fi_strerror(-ret));
+    }
+    return ret;
+}
+
+/* Posts one read of the peer's buffer into `buf`; -FI_EAGAIN as for post_write. */
+static int post_read(struct fab *f, void *buf, size_t len, uint64_t raddr) {
+    if (!f->nfree) return -FI_EAGAIN;
+    int slot = f->free_tx[--f->nfree];
+    int ret = (int)fi_read(f->ep, buf, len, f->desc, f->peer, raddr, f->peer_key, &f->tx_ctx[slot]);
+    if (ret) {
+        f->free_tx[f->nfree++] = slot;
+        if (ret != -FI_EAGAIN) die("fi_read: %s", fi_strerror(-ret));
     }
     return ret;
 }
@@ -381,8 +398,10 @@ static void wait_above(struct fab *f, const uint64_t *counter, uint64_t seen, co
         if (!progress(f)) idle_poll(f, &empty, &since, what);
 }
 
-/* `writes` writedata of `size` bytes, `window` in flight; seconds from first post to last completion. */
-static double timed_writes(struct fab *f, uint64_t size, uint64_t writes, uint64_t window, uint32_t imm) {
+/* `writes` writedata (or, with `read`, reads) of `size` bytes, `window` in flight; seconds from
+ * first post to last completion. */
+static double timed_writes(struct fab *f, uint64_t size, uint64_t writes, uint64_t window, uint32_t imm,
+                           int read) {
     uint64_t src_slots = f->len / size, dst_slots = f->peer_len / size, posted = 0, base = f->tx_done;
     unsigned long empty = 0;
     double since = 0;
@@ -390,8 +409,10 @@ static double timed_writes(struct fab *f, uint64_t size, uint64_t writes, uint64
     double t0 = now_s();
     while (f->tx_done - base < writes) {
         while (posted < writes && posted - (f->tx_done - base) < window &&
-               post_write(f, f->buf + (posted % src_slots) * size, size, imm,
-                          f->peer_base + (posted % dst_slots) * size) == 0)
+               (read ? post_read(f, f->buf + (posted % src_slots) * size, size,
+                                 f->peer_base + (posted % dst_slots) * size)
+                     : post_write(f, f->buf + (posted % src_slots) * size, size, imm,
+                                  f->peer_base + (posted % dst_slots) * size)) == 0)
             posted++;
         if (progress(f)) empty = 0, since = 0;
         else idle_poll(f, &empty, &since, "write completions");
@@ -406,10 +427,10 @@ static uint64_t writes_for(uint64_t size, uint64_t bytes, uint64_t window) {
 
 /* Warm-up plus `reps` timed runs; fills samples (per-rep seconds); returns writes posted. */
 static uint64_t repeat(struct fab *f, uint64_t size, uint64_t writes, uint64_t window, uint64_t reps,
-                       uint32_t imm, double *seconds) {
+                       uint32_t imm, int read, double *seconds) {
     uint64_t warm = writes < window * 4 ? writes : window * 4;
-    timed_writes(f, size, warm, window, imm);
-    for (uint64_t r = 0; r < reps; r++) seconds[r] = timed_writes(f, size, writes, window, imm);
+    timed_writes(f, size, warm, window, imm, read);
+    for (uint64_t r = 0; r < reps; r++) seconds[r] = timed_writes(f, size, writes, window, imm, read);
     return warm + writes * reps;
 }
 
@@ -457,6 +478,7 @@ static int run_client(struct fab *f, const struct opts *o) {
     if (!o->window || !o->op_window || !o->reps || !o->ops || !o->iters) die("counts must be positive");
     uint64_t largest = o->op_size > 4096 ? o->op_size : 4096;
     for (int i = 0; i < o->nsizes; i++) largest = o->sizes[i] > largest ? o->sizes[i] : largest;
+    for (int i = 0; i < o->nread_sizes; i++) largest = o->read_sizes[i] > largest ? o->read_sizes[i] : largest;
     uint64_t depth = o->window > o->op_window ? o->window : o->op_window;
     fab_open(f, o, largest, (int)depth + 16);
     int fd = connect_retry(o);
@@ -468,7 +490,7 @@ static int run_client(struct fab *f, const struct opts *o) {
     uint64_t total = 0;
     for (int s = 0; s < o->nsizes; s++) {
         uint64_t size = o->sizes[s], writes = writes_for(size, o->bytes_per_rep, o->window);
-        total += repeat(f, size, writes, o->window, o->reps, IMM_THROUGHPUT, sec);
+        total += repeat(f, size, writes, o->window, o->reps, IMM_THROUGHPUT, 0, sec);
         for (uint64_t r = 0; r < o->reps; r++) val[r] = (double)(size * writes) / sec[r] / 1e9;
         double med = percentile(val, o->reps, 50);
         printf("{\"tool\":\"raw_write\",\"test\":\"throughput\",\"provider\":\"%s\",\"domain\":\"%s\","
@@ -481,7 +503,21 @@ static int run_client(struct fab *f, const struct opts *o) {
     }
     verify(f, fd, IMM_THROUGHPUT, total);
 
-    total = repeat(f, o->op_size, o->ops, o->op_window, o->reps, IMM_OP_RATE, sec);
+    for (int s = 0; s < o->nread_sizes; s++) {
+        uint64_t size = o->read_sizes[s], reads = writes_for(size, o->bytes_per_rep, o->window);
+        repeat(f, size, reads, o->window, o->reps, 0, 1, sec);
+        for (uint64_t r = 0; r < o->reps; r++) val[r] = (double)(size * reads) / sec[r] / 1e9;
+        double med = percentile(val, o->reps, 50);
+        printf("{\"tool\":\"raw_write\",\"test\":\"read_throughput\",\"provider\":\"%s\",\"domain\":\"%s\","
+               "\"size\":%llu,\"window\":%llu,\"writes_per_rep\":%llu,\"reps\":%llu,"
+               "\"gbytes_per_s\":%.6f,\"gbits_per_s\":%.6f,", prov, dom, (unsigned long long)size,
+               (unsigned long long)o->window, (unsigned long long)reads, (unsigned long long)o->reps, med, med * 8);
+        print_samples("samples_gbytes_per_s", val, o->reps);
+        printf("}\n");
+        fflush(stdout);
+    }
+
+    total = repeat(f, o->op_size, o->ops, o->op_window, o->reps, IMM_OP_RATE, 0, sec);
     verify(f, fd, IMM_OP_RATE, total);
     for (uint64_t r = 0; r < o->reps; r++) val[r] = (double)o->ops / sec[r] / 1e6;
     printf("{\"tool\":\"raw_write\",\"test\":\"op_rate\",\"provider\":\"%s\",\"domain\":\"%s\",\"size\":%llu,"

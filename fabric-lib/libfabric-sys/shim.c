@@ -123,6 +123,10 @@ ssize_t shim_fi_write(struct fid_ep *ep, const void *buf, size_t len, void *desc
 ssize_t shim_fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags) {
     return fi_writemsg(ep, msg, flags);
 }
+ssize_t shim_fi_read(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src_addr, uint64_t addr,
+                     uint64_t key, void *context) {
+    return fi_read(ep, buf, len, desc, src_addr, addr, key, context);
+}
 ssize_t shim_fi_send(struct fid_ep *ep, const void *buf, size_t len, void *desc, fi_addr_t dest_addr, void *context) {
     return fi_send(ep, buf, len, desc, dest_addr, context);
 }

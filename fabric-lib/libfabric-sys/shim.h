@@ -54,6 +54,8 @@ ssize_t shim_fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *
 ssize_t shim_fi_write(struct fid_ep *ep, const void *buf, size_t len, void *desc, fi_addr_t dest_addr,
                       uint64_t addr, uint64_t key, void *context);
 ssize_t shim_fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags);
+ssize_t shim_fi_read(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src_addr, uint64_t addr,
+                     uint64_t key, void *context);
 ssize_t shim_fi_send(struct fid_ep *ep, const void *buf, size_t len, void *desc, fi_addr_t dest_addr, void *context);
 ssize_t shim_fi_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags);
 ssize_t shim_fi_recv(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src_addr, void *context);

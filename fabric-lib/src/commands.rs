@@ -55,6 +55,25 @@ pub(crate) struct SameHostImm {
     pub inbox: Option<(u32, u64, InboxAddress)>,
 }
 
+/// A validated same-host read where either side is GPU memory: `peer` is the source region,
+/// `region` the local destination; `copy`'s source side is the peer's.
+pub(crate) struct SameHostRead {
+    pub region: u64,
+    pub peer: SameHostDst,
+    pub copy: SameHostCopy,
+    pub on_done: Notify,
+}
+
+/// A validated request (a `Transfer`, `SameHost` or `Send` command) that the worker posts
+/// itself once `count` arrivals of immediate `imm` were counted (see `worker::triggers`).
+pub(crate) struct ArmCommand {
+    pub imm: u32,
+    pub count: u64,
+    /// Fails the request with a timeout if the count is not reached by then.
+    pub timeout: Option<std::time::Duration>,
+    pub request: Box<Command>,
+}
+
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
     pub peer: Vec<u8>,
@@ -74,6 +93,8 @@ pub(crate) enum Command {
         len: usize,
         kind: MemoryKind,
         network: bool,
+        /// Peers may read it (FI_REMOTE_READ on its keys); the owner opted in.
+        remote_read: bool,
         /// How GPU memory is registered with the NIC (FI_HMEM domains).
         gpu_registration: GpuRegistration,
         /// Per domain (key, remote base), and how GPU memory was registered (None: host memory,
@@ -85,8 +106,12 @@ pub(crate) enum Command {
         reply: Sender<Result<()>>,
     },
     Transfer(Transfer),
+    /// A read: the shards pull from the target into `region` (see `engine::reads`).
+    Read(Transfer),
     SameHost(SameHostTransfer),
+    SameHostRead(SameHostRead),
     Send(SendCommand),
+    Arm(ArmCommand),
     SetRecvCallback(Option<RecvCallback>),
     /// Lifts the fence on a peer (its endpoints, one per domain) after the epoch handshake
     /// (`epoch`); replies what the peer counted in the epoch that ended.
@@ -105,7 +130,9 @@ impl Command {
     pub(crate) fn into_stopped(self) -> Option<Notify> {
         match self {
             Command::Transfer(Transfer { on_done, .. })
+            | Command::Read(Transfer { on_done, .. })
             | Command::SameHost(SameHostTransfer { on_done, .. })
+            | Command::SameHostRead(SameHostRead { on_done, .. })
             | Command::Send(SendCommand { on_done, .. }) => return Some(on_done),
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
@@ -116,6 +143,7 @@ impl Command {
             Command::Readmit { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
+            Command::Arm(armed) => return armed.request.into_stopped(),
             Command::SetRecvCallback(_) | Command::Stop => {}
         }
         None

@@ -58,6 +58,9 @@ pub struct MrDescriptor {
     pub keys: Vec<DomainKey>,
     /// For GPU regions: how same-host peers open the memory.
     pub cuda: Option<CudaIpc>,
+    /// Peers may read the region (`submit_read`): the owner opted in at registration, and only
+    /// then do its keys carry remote-read access. Readers check this before posting.
+    pub remote_read: bool,
 }
 
 impl MrDescriptor {
@@ -120,6 +123,18 @@ impl MrDescriptor {
         !self.keys.is_empty()
     }
 
+    /// Checks that the owner made the region remotely readable.
+    pub fn check_readable(&self) -> Result<()> {
+        if self.remote_read {
+            return Ok(());
+        }
+        Err(FabricError::NotReadable(format!(
+            "the peer region at {:#x} ({} bytes) was registered for remote writes only; its owner must \
+             register it with remote_read=True for peers to read it",
+            self.base, self.len
+        )))
+    }
+
     /// Checks that `[offset, offset + len)` lies inside the region.
     pub fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         check_range("destination", self.len, offset, len)
@@ -166,6 +181,7 @@ mod tests {
                 .collect(),
             owner,
             cuda: None,
+            remote_read: false,
         }
     }
 

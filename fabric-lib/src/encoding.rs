@@ -14,8 +14,9 @@ use crate::error::{FabricError, Result};
 /// 3: addresses carry the receiver's max_message_size; a CRC-32 of the bytes before it ends them.
 /// 4: writes carry the writer's epoch tag above the immediate in their remote CQ data, and
 ///    re-admission is a handshake of control messages (`epoch`).
-/// 5: addresses carry the engine's same-host immediate inbox.
-pub const ENCODING_VERSION: u16 = 5;
+/// 5: descriptors say whether peers may read the region.
+/// 6: addresses carry the engine's same-host immediate inbox.
+pub const ENCODING_VERSION: u16 = 6;
 const HEADER_LEN: usize = 10;
 const CHECKSUM_LEN: usize = 4;
 

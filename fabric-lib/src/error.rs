@@ -32,6 +32,9 @@ pub enum FabricError {
     /// what the peer counted and makes it drop later deliveries of the ended epoch).
     #[error("peer fenced: {0}")]
     PeerFenced(String),
+    /// A read of a peer region its owner did not make remotely readable; nothing was posted.
+    #[error("region not readable: {0}")]
+    NotReadable(String),
     /// The engine was stopped before or while the operation ran.
     #[error("engine stopped")]
     Stopped,

@@ -190,6 +190,16 @@ impl ImmCounterTable {
         }
     }
 
+    /// Consumes up to `n` counted arrivals of `imm`; returns how many it took (what a trigger
+    /// armed on the worker finds already counted).
+    pub(crate) fn take_up_to(&self, imm: u32, n: u64) -> u64 {
+        let mut inner = self.inner.lock();
+        let Some(slot) = inner.slots.get_mut(&imm) else { return 0 };
+        let taken = slot.count.min(n);
+        slot.count -= taken;
+        taken
+    }
+
     /// Installs (or with `None` removes) the callback for unclaimed immediates.
     pub fn set_generic_callback(&self, callback: Option<GenericImmCallback>) {
         self.inner.lock().generic = callback;

@@ -37,11 +37,13 @@ pub use completion::OnDone;
 pub use config::{EngineConfig, GpuRegistration, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
-pub use engine::{DomainStats, MrHandle, TransferEngine};
+pub use engine::{DomainStats, MrHandle, RegisterOptions, TransferEngine, Trigger};
 pub use epoch::Readmission;
 pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 pub use provider::libfabric::{list_providers, DomainSpec, NicRegistration, ProviderSpec};
-pub use requests::{PagedWriteRequest, PeerGroup, ScatterSharding, ScatterTarget, WriteRequest};
+pub use requests::{
+    PagedReadRequest, PagedWriteRequest, PeerGroup, ReadRequest, ScatterSharding, ScatterTarget, WriteRequest,
+};
 pub use sharding::DomainChoice;

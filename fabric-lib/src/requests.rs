@@ -34,6 +34,35 @@ pub struct PagedWriteRequest<'a> {
     pub imm: Option<u32>,
 }
 
+/// One read: `len` bytes of a peer's (remotely readable) region, from `src_offset`, into a
+/// local region at `dst_offset`. Completes once the bytes are in the local region.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadRequest<'a> {
+    pub src: &'a MrDescriptor,
+    pub src_offset: u64,
+    pub len: u64,
+    pub dst: MrHandle,
+    pub dst_offset: u64,
+    /// How the bytes are spread over the device's domains.
+    pub domains: DomainChoice,
+}
+
+/// Fixed-size pages gathered from a peer region into a local region (the mirror of
+/// [`PagedWriteRequest`]): page `i` moves `page_len` bytes from the peer's
+/// `src_pages[i] * src_stride + src_offset` to the local `dst_pages[i] * dst_stride + dst_offset`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedReadRequest<'a> {
+    pub page_len: u64,
+    pub src: &'a MrDescriptor,
+    pub src_pages: &'a [u32],
+    pub src_stride: u64,
+    pub src_offset: u64,
+    pub dst: MrHandle,
+    pub dst_pages: &'a [u32],
+    pub dst_stride: u64,
+    pub dst_offset: u64,
+}
+
 /// One destination of a scatter.
 #[derive(Clone, Copy, Debug)]
 pub struct ScatterTarget<'a> {

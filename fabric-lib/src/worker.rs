@@ -32,6 +32,8 @@ const UNDELIVERED_LIMIT: usize = 4096;
 
 mod epochs;
 mod inbox;
+mod reads;
+mod triggers;
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -49,6 +51,8 @@ pub(crate) struct WorkerInfo {
     pub stale_immediates: Arc<AtomicU64>,
     /// Every domain has FI_HMEM: GPU memory can be registered with the NIC.
     pub hmem: bool,
+    /// Every domain can issue and serve RMA reads.
+    pub read: bool,
     /// This engine's same-host immediate inbox, if it has one.
     pub inbox: Option<crate::address::InboxAddress>,
     /// Malformed same-host inbox entries refused.
@@ -101,18 +105,20 @@ enum Op {
         /// Remote CQ data: set on control messages only (see `epoch`).
         data: Option<u64>,
     },
+    /// Pulls `len` bytes of a peer region into `ptr` (inside local region `region`).
+    Read { region: u64, ptr: usize, len: usize, dest: u64, remote_addr: u64, key: u64 },
 }
 
 impl Op {
     fn len(&self) -> usize {
         match *self {
-            Op::Write { len, .. } | Op::Send { len, .. } => len,
+            Op::Write { len, .. } | Op::Send { len, .. } | Op::Read { len, .. } => len,
         }
     }
 
     fn dest(&self) -> u64 {
         match *self {
-            Op::Write { dest, .. } | Op::Send { dest, .. } => dest,
+            Op::Write { dest, .. } | Op::Send { dest, .. } | Op::Read { dest, .. } => dest,
         }
     }
 }
@@ -160,6 +166,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                         oversized_messages: worker.oversized_messages.clone(),
                         stale_immediates: worker.received.stale.clone(),
                         hmem: worker.domains.iter().all(|d| d.domain.has_hmem()),
+                        read: worker.domains.iter().all(|d| d.domain.supports_read()),
                         inbox: worker.inboxes.address(),
                         refused_immediates: worker.inboxes.refused.clone(),
                     };
@@ -240,6 +247,8 @@ struct Worker {
     readmits: HashMap<u64, PendingReadmit>,
     /// What this engine counted per writer epoch, and the epochs it retired.
     received: ReceivedEpochs,
+    /// Requests armed to be posted when an immediate count is reached.
+    triggers: triggers::Triggers,
     /// Same-host immediates: this engine's inbox and the peers' it pushes into.
     inboxes: inbox::Inboxes,
 
@@ -307,6 +316,7 @@ impl Worker {
             tags_by_dest: (0..domains.len()).map(|_| HashMap::new()).collect(),
             readmits: HashMap::new(),
             received: ReceivedEpochs::default(),
+            triggers: HashMap::new(),
             inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
             domains,
         })
@@ -334,6 +344,7 @@ impl Worker {
             iterations = iterations.wrapping_add(1);
             if iterations.is_multiple_of(256) || !active {
                 self.expire_requests();
+                self.expire_triggers();
             }
             if active {
                 last_active = Instant::now();
@@ -366,20 +377,20 @@ impl Worker {
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Register { region, ptr, len, kind, network, gpu_registration, reply } => {
+            Command::Register { region, ptr, len, kind, network, remote_read, gpu_registration, reply } => {
+                let access = if remote_read { Access::RemoteReadWrite } else { Access::RemoteWrite };
                 let mut nic = None;
                 let mrs: Result<Vec<LocalMr>> = match (network, kind) {
                     (false, _) => Ok(Vec::new()),
-                    (true, MemoryKind::Host) => self
-                        .domains
-                        .iter_mut()
-                        .map(|d| d.domain.register(ptr as *mut u8, len, Access::RemoteWrite))
-                        .collect(),
+                    (true, MemoryKind::Host) => {
+                        self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len, access)).collect()
+                    }
                     (true, MemoryKind::Cuda(device)) => self
                         .domains
                         .iter_mut()
                         .map(|d| {
-                            let (mr, how) = d.domain.register_cuda(ptr as *mut u8, len, device, gpu_registration)?;
+                            let (mr, how) =
+                                d.domain.register_cuda(ptr as *mut u8, len, device, gpu_registration, access)?;
                             // Reported: the fallback where domains differ.
                             nic = nic.max(Some(how));
                             Ok(mr)
@@ -408,8 +419,11 @@ impl Worker {
                 let _ = reply.send(result);
             }
             Command::Transfer(t) => self.start_transfer(t),
+            Command::Read(t) => self.start_read(t),
+            Command::SameHostRead(t) => self.start_same_host_read(t),
             Command::SameHost(t) => self.start_same_host(t),
             Command::Send(cmd) => self.start_send(cmd),
+            Command::Arm(armed) => self.arm(armed),
             Command::SetRecvCallback(cb) => {
                 self.recv_callback = cb;
                 if let Some(cb) = self.recv_callback.clone() {
@@ -630,9 +644,10 @@ impl Worker {
         }
     }
 
-    /// [`Worker::track_region`] for the region a post reads from (sends read library buffers).
+    /// [`Worker::track_region`] for the region a post reads from or reads into (sends use
+    /// library buffers).
     fn track(&mut self, op: &Op, delta: isize) {
-        if let Op::Write { region, .. } = *op {
+        if let Op::Write { region, .. } | Op::Read { region, .. } = *op {
             self.track_region(region, delta);
         }
     }
@@ -690,6 +705,7 @@ impl Worker {
         let kind = match post.op {
             Op::Write { region, .. } => OpKind::Write { request: post.request, region },
             Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
+            Op::Read { region, .. } => OpKind::Read { request: post.request, region },
         };
         let context = Box::into_raw(OpContext::new(kind));
         let imm_data = match post.op {
@@ -733,6 +749,17 @@ impl Worker {
                     let ptr = d.send_buffers.slot_ptr(slot);
                     let desc = d.send_buffers.desc();
                     d.domain.post_send(ptr, len, desc, dest, self.delivery, data, context)
+                }
+                Op::Read { region, ptr, len, dest, remote_addr, key } => {
+                    match self.regions.get(&region).and_then(|r| r.mrs.get(domain)) {
+                        Some(mr) => d.domain.post_read(ptr as *mut u8, len, mr.desc(), dest, remote_addr, key, context),
+                        None => {
+                            // As for writes: a region with queued posts cannot be unregistered.
+                            drop(Box::from_raw(context));
+                            let e = format!("memory handle {region} is no longer registered");
+                            return Err(FabricError::InvalidArgument(e));
+                        }
+                    }
                 }
             }
         };
@@ -902,7 +929,7 @@ impl Worker {
 
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {
         match kind {
-            OpKind::Write { request, region } => {
+            OpKind::Write { request, region } | OpKind::Read { request, region } => {
                 self.track_region(region, -1);
                 self.finish(request, result);
             }
@@ -1037,6 +1064,7 @@ impl Worker {
         for req in requests {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }
+        self.fail_triggers();
         self.waiting_sends.clear();
         for (_, readmit) in self.readmits.drain() {
             let _ = readmit.reply.send(Err(FabricError::Stopped));

@@ -2,8 +2,8 @@
 //! blocks, and forwards to `fabric_lib::TransferEngine`.
 
 use fabric_lib::{
-    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedWriteRequest, PeerGroup, ProviderSpec, ScatterSharding,
-    ScatterTarget, TransferEngine, WatcherRunsOn, WriteRequest,
+    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedReadRequest, PagedWriteRequest, PeerGroup, ProviderSpec,
+    ReadRequest, RegisterOptions, ScatterSharding, ScatterTarget, TransferEngine, Trigger, WatcherRunsOn, WriteRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -25,6 +25,12 @@ fn page_indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
     }
     obj.extract::<Vec<u32>>()
+}
+
+/// A trigger from Python: (immediate, count, timeout in seconds or None).
+fn trigger(py: Python<'_>, (imm, count, timeout): (u32, u64, Option<f64>)) -> PyResult<Trigger> {
+    let timeout = timeout.map(|t| seconds(py, t, "after_timeout")).transpose()?;
+    Ok(Trigger { imm, count, timeout })
 }
 
 /// Native engine; use `fabric_lib.TransferEngine`, which wraps it.
@@ -70,24 +76,26 @@ impl PyTransferEngine {
 
     /// Registers memory at `ptr`; the caller keeps it alive until unregistered. `device`: None
     /// detects host or CUDA memory (without loading CUDA when it is not loaded), -1 forces
-    /// host memory, N >= 0 CUDA memory of device N.
-    #[pyo3(signature = (ptr, length, device=None))]
+    /// host memory, N >= 0 CUDA memory of device N. `remote_read`: peers may read the region.
+    #[pyo3(signature = (ptr, length, device=None, remote_read=false))]
     fn register_memory(
         &self,
         py: Python<'_>,
         ptr: usize,
         length: usize,
         device: Option<i64>,
+        remote_read: bool,
     ) -> PyResult<(u64, PyMrDescriptor)> {
         let kind = match device {
             None => fabric_lib::gpu::detect_memory_kind(ptr as u64),
             Some(d) if d < 0 => MemoryKind::Host,
             Some(d) => MemoryKind::Cuda(u32::try_from(d).map_err(|_| invalid(py, format!("device {d} out of range")))?),
         };
+        let options = RegisterOptions { remote_read };
         // SAFETY: the Python wrapper keeps the owning object (tensor/buffer) alive while the
         // registration exists; raw-pointer callers accept that contract in the docs.
         let (handle, desc) =
-            py.detach(|| unsafe { self.engine.register_memory(ptr as *mut u8, length, kind) }).py(py)?;
+            py.detach(|| unsafe { self.engine.register_memory_with(ptr as *mut u8, length, kind, options) }).py(py)?;
         Ok((handle.0, PyMrDescriptor(desc)))
     }
 
@@ -166,6 +174,76 @@ impl PyTransferEngine {
         py.detach(|| self.engine.submit_write(&req, on_done)).py(py)
     }
 
+    /// `submit_write` posted by the worker once `after` = (imm, count, timeout) is reached.
+    #[pyo3(signature = (after, src, src_offset, length, dst, dst_offset, imm, callback, domain=None, shard_domains=usize::MAX))]
+    #[allow(clippy::too_many_arguments)]
+    fn arm_write(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        src: u64,
+        src_offset: u64,
+        length: u64,
+        dst: PyRef<'_, PyMrDescriptor>,
+        dst_offset: u64,
+        imm: Option<u32>,
+        callback: Py<PyAny>,
+        domain: Option<usize>,
+        shard_domains: usize,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let dst = &dst.0;
+        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_write(when, &req, on_done)).py(py)
+    }
+
+    /// `submit_imm` posted by the worker once `after` is reached.
+    fn arm_imm(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        imm: u32,
+        dst: PyRef<'_, PyMrDescriptor>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let dst = &dst.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_imm(when, imm, dst, on_done)).py(py)
+    }
+
+    /// `submit_imm_to` posted by the worker once `after` is reached.
+    fn arm_imm_to(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        imm: u32,
+        peer: PyRef<'_, PyEngineAddress>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let peer = &peer.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_imm_to(when, imm, peer, on_done)).py(py)
+    }
+
+    /// `submit_send` posted by the worker once `after` is reached.
+    fn arm_send(
+        &self,
+        py: Python<'_>,
+        after: (u32, u64, Option<f64>),
+        peer: PyRef<'_, PyEngineAddress>,
+        data: Vec<u8>,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let when = trigger(py, after)?;
+        let peer = &peer.0;
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.arm_send(when, peer, data, on_done)).py(py)
+    }
+
     fn submit_imm(
         &self,
         py: Python<'_>,
@@ -210,6 +288,60 @@ impl PyTransferEngine {
         };
         let on_done = callbacks::on_done(callback);
         py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)
+    }
+
+    /// `domain`: None shards over up to `shard_domains` domains; an int pins one domain.
+    #[pyo3(signature = (src, src_offset, length, dst, dst_offset, callback, domain=None, shard_domains=usize::MAX))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_read(
+        &self,
+        py: Python<'_>,
+        src: PyRef<'_, PyMrDescriptor>,
+        src_offset: u64,
+        length: u64,
+        dst: u64,
+        dst_offset: u64,
+        callback: Py<PyAny>,
+        domain: Option<usize>,
+        shard_domains: usize,
+    ) -> PyResult<()> {
+        let src = &src.0;
+        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let req = ReadRequest { src, src_offset, len: length, dst: MrHandle(dst), dst_offset, domains };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_read(&req, on_done)).py(py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit_paged_reads(
+        &self,
+        py: Python<'_>,
+        page_len: u64,
+        src: PyRef<'_, PyMrDescriptor>,
+        src_pages: &Bound<'_, PyAny>,
+        src_stride: u64,
+        src_offset: u64,
+        dst: u64,
+        dst_pages: &Bound<'_, PyAny>,
+        dst_stride: u64,
+        dst_offset: u64,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let src = &src.0;
+        let (src_pages, dst_pages) = (page_indices(src_pages)?, page_indices(dst_pages)?);
+        let req = PagedReadRequest {
+            page_len,
+            src,
+            src_pages: &src_pages,
+            src_stride,
+            src_offset,
+            dst: MrHandle(dst),
+            dst_pages: &dst_pages,
+            dst_stride,
+            dst_offset,
+        };
+        let on_done = callbacks::on_done(callback);
+        py.detach(|| self.engine.submit_paged_reads(&req, on_done)).py(py)
     }
 
     fn submit_imm_to(

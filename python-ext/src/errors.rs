@@ -19,6 +19,7 @@ impl PyErrorClass for FabricError {
             FabricError::TransferFailed(_) => "TransferError",
             FabricError::Timeout(_) => "FabricTimeoutError",
             FabricError::PeerFenced(_) => "PeerFencedError",
+            FabricError::NotReadable(_) => "RegionNotReadableError",
             FabricError::Stopped => "EngineStoppedError",
             FabricError::CudaUnavailable(_) => "CudaUnavailableError",
             FabricError::Cuda(_) => "CudaError",

@@ -118,6 +118,12 @@ impl PyMrDescriptor {
         self.0.network_reachable()
     }
 
+    /// Whether the owner registered the region with remote_read=True (peers may read it).
+    #[getter]
+    fn remote_readable(&self) -> bool {
+        self.0.remote_read
+    }
+
     /// Address of the owning engine.
     #[getter]
     fn owner(&self) -> PyEngineAddress {

@@ -46,6 +46,8 @@ class MrDescriptor:
     @property
     def network_reachable(self) -> bool: ...
     @property
+    def remote_readable(self) -> bool: ...
+    @property
     def owner(self) -> EngineAddress: ...
     def __len__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
@@ -85,7 +87,7 @@ class TransferEngine:
     def refused_immediates(self) -> int: ...
     def domain_stats(self) -> list[tuple[int, int]]: ...
     def register_memory(
-        self, ptr: int, length: int, device: int | None = None
+        self, ptr: int, length: int, device: int | None = None, remote_read: bool = False
     ) -> tuple[int, MrDescriptor]: ...
     def alloc_uvm_watcher(
         self, callback: Callable[[int, int], None], device: int = 0, inline: bool = False
@@ -120,6 +122,52 @@ class TransferEngine:
         dst_offset: int,
         imm: int | None,
         callback: _OnDone,
+    ) -> None: ...
+    def submit_read(
+        self,
+        src: MrDescriptor,
+        src_offset: int,
+        length: int,
+        dst: int,
+        dst_offset: int,
+        callback: _OnDone,
+        domain: int | None = None,
+        shard_domains: int = ...,
+    ) -> None: ...
+    def submit_paged_reads(
+        self,
+        page_len: int,
+        src: MrDescriptor,
+        src_pages: bytes | Sequence[int],
+        src_stride: int,
+        src_offset: int,
+        dst: int,
+        dst_pages: bytes | Sequence[int],
+        dst_stride: int,
+        dst_offset: int,
+        callback: _OnDone,
+    ) -> None: ...
+    def arm_write(
+        self,
+        after: tuple[int, int, float | None],
+        src: int,
+        src_offset: int,
+        length: int,
+        dst: MrDescriptor,
+        dst_offset: int,
+        imm: int | None,
+        callback: _OnDone,
+        domain: int | None = None,
+        shard_domains: int = ...,
+    ) -> None: ...
+    def arm_imm(
+        self, after: tuple[int, int, float | None], imm: int, dst: MrDescriptor, callback: _OnDone
+    ) -> None: ...
+    def arm_imm_to(
+        self, after: tuple[int, int, float | None], imm: int, peer: EngineAddress, callback: _OnDone
+    ) -> None: ...
+    def arm_send(
+        self, after: tuple[int, int, float | None], peer: EngineAddress, data: bytes, callback: _OnDone
     ) -> None: ...
     def submit_imm(self, imm: int, dst: MrDescriptor, callback: _OnDone) -> None: ...
     def submit_imm_to(self, imm: int, peer: EngineAddress, callback: _OnDone) -> None: ...

@@ -14,6 +14,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Literal, Sequence, overload
 
 from . import _fork, _rust
@@ -99,9 +100,9 @@ Destination = MrDescriptor | MemoryRegion | bytes | str
 Peer = EngineAddress | bytes | str
 
 
-def _as_descriptor(dst: Destination) -> MrDescriptor:
-    """The peer region to write into: its descriptor, its bytes or hex, or (same process) the
-    MemoryRegion itself."""
+def _as_descriptor(dst: Destination, name: str = "dst") -> MrDescriptor:
+    """The peer region to write into (or read from): its descriptor, its bytes or hex, or (same
+    process) the MemoryRegion itself."""
     if isinstance(dst, MrDescriptor):
         return dst
     if isinstance(dst, MemoryRegion):
@@ -111,7 +112,7 @@ def _as_descriptor(dst: Destination) -> MrDescriptor:
     if isinstance(dst, (bytes, bytearray, memoryview)):
         return MrDescriptor.from_bytes(bytes(dst))
     raise InvalidArgumentError(
-        f"dst must be the peer region's MrDescriptor (region.descriptor, or its to_bytes()/to_hex() "
+        f"{name} must be the peer region's MrDescriptor (region.descriptor, or its to_bytes()/to_hex() "
         f"form), not {_kind_of(dst)}"
     )
 
@@ -128,7 +129,7 @@ def _as_region(src: MemoryRegion, name: str = "src") -> MemoryRegion:
     if isinstance(src, MrDescriptor):
         raise InvalidArgumentError(
             f"{name} must be a local MemoryRegion from this engine's register_tensor/register_memory; "
-            "an MrDescriptor names a peer's region and can only be a destination"
+            "an MrDescriptor names a peer's region (the destination of a write, the source of a read)"
         )
     raise InvalidArgumentError(
         f"{name} must be a MemoryRegion (from register_tensor/register_memory), not {_kind_of(src)}"
@@ -160,6 +161,24 @@ def _check_non_negative(**values: int) -> None:
     for name, value in values.items():
         if value < 0:
             raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
+
+
+def _trigger(
+    after_imm: tuple[int, int] | None, after_timeout: float | None
+) -> tuple[int, int, float | None] | None:
+    """The native trigger for ``after_imm=(imm, count)``, or None to post at once."""
+    if after_imm is None:
+        if after_timeout is not None:
+            raise InvalidArgumentError("after_timeout needs after_imm=(imm, count)")
+        return None
+    try:
+        imm, count = after_imm
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"after_imm must be an (imm, count) pair, not {after_imm!r}") from None
+    _check_imm(imm)
+    if not isinstance(count, int) or count < 1:
+        raise InvalidArgumentError(f"after_imm count must be a positive int, got {count!r}")
+    return (imm, count, after_timeout)
 
 
 def _page_list(pages: Any) -> bytes:
@@ -348,11 +367,13 @@ class TransferEngine:
         return len(self._native.domain_names)
 
     # -- memory -----------------------------------------------------------------------------
-    def register_tensor(self, tensor: Any) -> MemoryRegion:
+    def register_tensor(self, tensor: Any, *, remote_read: bool = False) -> MemoryRegion:
         """Registers a contiguous torch tensor (CPU or CUDA); the region keeps the tensor alive.
 
         A CUDA tensor must come from ``cudaMalloc``-backed memory (torch's default caching
         allocator; not ``expandable_segments``); it is reachable from engines on this host only.
+        Peers may write the region; with ``remote_read=True`` they may also read it
+        (``submit_read``).
         """
         if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "is_contiguous"):
             raise InvalidArgumentError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -367,12 +388,13 @@ class TransferEngine:
                 f"tensor is on {tensor.device}; only CPU and CUDA tensors can be registered"
             )
         length = tensor.numel() * tensor.element_size()
-        return self._register(tensor.data_ptr(), length, tensor, device)
+        return self._register(tensor.data_ptr(), length, tensor, device, remote_read)
 
-    def register_buffer(self, buffer: Any) -> MemoryRegion:
+    def register_buffer(self, buffer: Any, *, remote_read: bool = False) -> MemoryRegion:
         """Registers host memory of any writable, contiguous Python buffer (``bytearray``,
         ``mmap``, a numpy array, ...); no torch needed. The region keeps the buffer alive, and the
-        buffer cannot be resized while registered."""
+        buffer cannot be resized while registered. Peers may write the region; with
+        ``remote_read=True`` they may also read it (``submit_read``)."""
         try:
             view = memoryview(buffer)
         except TypeError:
@@ -386,23 +408,33 @@ class TransferEngine:
         if view.nbytes == 0:
             raise InvalidArgumentError("the buffer is empty")
         window = (ctypes.c_char * view.nbytes).from_buffer(view)  # pins the buffer's memory
-        return self._register(ctypes.addressof(window), view.nbytes, (buffer, window), -1)
+        return self._register(ctypes.addressof(window), view.nbytes, (buffer, window), -1, remote_read)
 
     def register_memory(
-        self, ptr: int, length: int, owner: Any = None, *, device: int | None = None
+        self,
+        ptr: int,
+        length: int,
+        owner: Any = None,
+        *,
+        device: int | None = None,
+        remote_read: bool = False,
     ) -> MemoryRegion:
         """Registers raw memory ``[ptr, ptr + length)``: host memory, or CUDA device memory
         (detected, or given as ``device``; -1 forces host).
 
         The memory must stay allocated until ``unregister_memory``; pass ``owner`` to have the
-        region keep the owning object alive.
+        region keep the owning object alive. Peers may write the region; with
+        ``remote_read=True`` they may also read it (``submit_read``). Without it, its keys refuse
+        reads in the provider and readers get ``RegionNotReadableError`` before posting.
         """
         if ptr < 0 or length < 0:
             raise InvalidArgumentError("ptr and length must be non-negative")
-        return self._register(ptr, length, owner, device)
+        return self._register(ptr, length, owner, device, remote_read)
 
-    def _register(self, ptr: int, length: int, owner: Any, device: int | None = None) -> MemoryRegion:
-        handle, descriptor = self._native.register_memory(ptr, length, device)
+    def _register(
+        self, ptr: int, length: int, owner: Any, device: int | None = None, remote_read: bool = False
+    ) -> MemoryRegion:
+        handle, descriptor = self._native.register_memory(ptr, length, device, bool(remote_read))
         region = MemoryRegion(handle, descriptor, length, owner, self._native.region_registration(handle))
         with self._lock:
             self._regions[handle] = region
@@ -428,6 +460,8 @@ class TransferEngine:
         imm: int | None = None,
         domain: int | None = None,
         shard_domains: int | None = None,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: None = None,
     ) -> Future[None]: ...
     @overload
@@ -442,6 +476,8 @@ class TransferEngine:
         imm: int | None = None,
         domain: int | None = None,
         shard_domains: int | None = None,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone,
     ) -> None: ...
     def submit_write(
@@ -455,6 +491,8 @@ class TransferEngine:
         imm: int | None = None,
         domain: int | None = None,
         shard_domains: int | None = None,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Writes ``length`` bytes (default: all of ``src`` after ``src_offset``) into the peer
@@ -466,14 +504,23 @@ class TransferEngine:
 
         Large writes (≥ ``shard_min_bytes``) are sharded over up to ``shard_domains`` domains
         (default: all); ``domain`` pins the write to one domain instead.
+
+        With ``after_imm=(imm, count)`` the write is checked now and posted later by the engine's
+        worker itself, as soon as it has counted ``count`` arrivals of that immediate (arrivals
+        so far included; they are consumed and never reach ``ImmCounter``): a forwarding proxy
+        without a thread in between. ``after_timeout`` (seconds) fails it with
+        ``FabricTimeoutError`` if the count is not reached in time, returning the consumed
+        arrivals to the counter.
         """
         src = _as_region(src)
         if length is None:
             length = src.length - src_offset
         _check_imm(imm)
         _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
+        after = _trigger(after_imm, after_timeout)
         future, callback = self._completion(on_done)
-        self._native.submit_write(
+        native = self._native.submit_write if after is None else partial(self._native.arm_write, after)
+        native(
             src.handle,
             src_offset,
             length,
@@ -554,6 +601,139 @@ class TransferEngine:
             page_len if dst_stride is None else dst_stride,
             dst_offset,
             imm,
+            callback,
+        )
+        return future
+
+    @overload
+    def submit_read(
+        self,
+        src: Destination,
+        dst: MemoryRegion,
+        length: int | None = None,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        domain: int | None = None,
+        shard_domains: int | None = None,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_read(
+        self,
+        src: Destination,
+        dst: MemoryRegion,
+        length: int | None = None,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        domain: int | None = None,
+        shard_domains: int | None = None,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_read(
+        self,
+        src: Destination,
+        dst: MemoryRegion,
+        length: int | None = None,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        domain: int | None = None,
+        shard_domains: int | None = None,
+        on_done: OnDone | None = None,
+    ) -> Future[None] | None:
+        """Reads ``length`` bytes (default: enough to fill ``dst`` after ``dst_offset``) of the
+        peer region ``src`` from ``src_offset`` into the local region ``dst`` at ``dst_offset``.
+
+        The peer must have registered ``src`` with ``remote_read=True``
+        (``RegionNotReadableError`` otherwise, before anything is posted). The returned Future
+        (or ``on_done``) completes once the bytes are in ``dst``; no immediate is involved and
+        the peer is not notified. Ranges are checked against both regions
+        (``InvalidArgumentError``); timeouts and fencing apply as for writes. Large reads are
+        sharded over domains like writes; ``domain`` pins one.
+        """
+        dst = _as_region(dst, "dst")
+        if length is None:
+            length = dst.length - dst_offset
+        _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
+        future, callback = self._completion(on_done)
+        self._native.submit_read(
+            _as_descriptor(src, "src"),
+            src_offset,
+            length,
+            dst.handle,
+            dst_offset,
+            callback,
+            domain,
+            2**63 if shard_domains is None else shard_domains,
+        )
+        return future
+
+    @overload
+    def submit_paged_reads(
+        self,
+        page_len: int,
+        src: Destination,
+        src_pages: Sequence[int],
+        dst: MemoryRegion,
+        dst_pages: Sequence[int],
+        *,
+        src_stride: int | None = None,
+        src_offset: int = 0,
+        dst_stride: int | None = None,
+        dst_offset: int = 0,
+        on_done: None = None,
+    ) -> Future[None]: ...
+    @overload
+    def submit_paged_reads(
+        self,
+        page_len: int,
+        src: Destination,
+        src_pages: Sequence[int],
+        dst: MemoryRegion,
+        dst_pages: Sequence[int],
+        *,
+        src_stride: int | None = None,
+        src_offset: int = 0,
+        dst_stride: int | None = None,
+        dst_offset: int = 0,
+        on_done: OnDone,
+    ) -> None: ...
+    def submit_paged_reads(
+        self,
+        page_len: int,
+        src: Destination,
+        src_pages: Sequence[int],
+        dst: MemoryRegion,
+        dst_pages: Sequence[int],
+        *,
+        src_stride: int | None = None,
+        src_offset: int = 0,
+        dst_stride: int | None = None,
+        dst_offset: int = 0,
+        on_done: OnDone | None = None,
+    ) -> Future[None] | None:
+        """Copies page ``src_pages[i]`` of the peer region ``src`` to page ``dst_pages[i]`` of
+        the local region ``dst`` for every i (the mirror of ``submit_paged_writes``).
+
+        Page p of a side starts at ``p * stride + offset`` (stride defaults to ``page_len``).
+        Every index is checked before anything is posted; the peer must have registered ``src``
+        with ``remote_read=True``. Completes once every page is in ``dst``.
+        """
+        dst = _as_region(dst, "dst")
+        _check_non_negative(page_len=page_len, src_offset=src_offset, dst_offset=dst_offset)
+        future, callback = self._completion(on_done)
+        self._native.submit_paged_reads(
+            page_len,
+            _as_descriptor(src, "src"),
+            _page_list(src_pages),
+            page_len if src_stride is None else src_stride,
+            src_offset,
+            dst.handle,
+            _page_list(dst_pages),
+            page_len if dst_stride is None else dst_stride,
+            dst_offset,
             callback,
         )
         return future
@@ -647,6 +827,8 @@ class TransferEngine:
         imm: int,
         dst: Destination | EngineAddress,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: None = None,
     ) -> Future[None]: ...
     @overload
@@ -655,6 +837,8 @@ class TransferEngine:
         imm: int,
         dst: Destination | EngineAddress,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone,
     ) -> None: ...
     def submit_imm(
@@ -662,18 +846,29 @@ class TransferEngine:
         imm: int,
         dst: Destination | EngineAddress,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
         """Sends only an immediate: a zero-byte write into ``dst``'s region, or into the peer
-        engine's own immediate slot when ``dst`` is an EngineAddress."""
+        engine's own immediate slot when ``dst`` is an EngineAddress. ``after_imm`` and
+        ``after_timeout``: posted by the worker once an immediate count is reached, as for
+        ``submit_write`` (an echo answering each ping: one ``submit_imm(pong, peer,
+        after_imm=(ping, 1))`` per expected ping)."""
         _check_imm(imm)
         if imm is None:
             raise InvalidArgumentError("imm is required")
+        after = _trigger(after_imm, after_timeout)
         future, callback = self._completion(on_done)
         if isinstance(dst, EngineAddress):
-            self._native.submit_imm_to(imm, dst, callback)
-        else:
+            if after is None:
+                self._native.submit_imm_to(imm, dst, callback)
+            else:
+                self._native.arm_imm_to(after, imm, dst, callback)
+        elif after is None:
             self._native.submit_imm(imm, _as_descriptor(dst), callback)
+        else:
+            self._native.arm_imm(after, imm, _as_descriptor(dst), callback)
         return future
 
     # -- two-sided --------------------------------------------------------------------------
@@ -683,6 +878,8 @@ class TransferEngine:
         peer: Peer,
         data: bytes,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: None = None,
     ) -> Future[None]: ...
     @overload
@@ -691,6 +888,8 @@ class TransferEngine:
         peer: Peer,
         data: bytes,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone,
     ) -> None: ...
     def submit_send(
@@ -698,11 +897,19 @@ class TransferEngine:
         peer: Peer,
         data: bytes,
         *,
+        after_imm: tuple[int, int] | None = None,
+        after_timeout: float | None = None,
         on_done: OnDone | None = None,
     ) -> Future[None] | None:
-        """Sends a small message (≤ ``max_message_size`` bytes) to ``peer``'s receive callback."""
+        """Sends a small message (≤ ``max_message_size`` bytes) to ``peer``'s receive callback.
+        ``after_imm`` and ``after_timeout``: posted by the worker once an immediate count is
+        reached, as for ``submit_write``."""
+        after = _trigger(after_imm, after_timeout)
         future, callback = self._completion(on_done)
-        self._native.submit_send(_as_address(peer), bytes(data), callback)
+        if after is None:
+            self._native.submit_send(_as_address(peer), bytes(data), callback)
+        else:
+            self._native.arm_send(after, _as_address(peer), bytes(data), callback)
         return future
 
     def readmit_peer(self, peer: EngineAddress | bytes) -> Readmission:

@@ -13,6 +13,7 @@ __all__ = [
     "InvalidDescriptorError",
     "PeerFencedError",
     "ProviderUnavailableError",
+    "RegionNotReadableError",
     "TransferError",
 ]
 
@@ -31,6 +32,11 @@ class InvalidArgumentError(FabricError, ValueError):
 
 class InvalidDescriptorError(InvalidArgumentError):
     """Descriptor or address bytes are corrupt, or belong to an incompatible engine."""
+
+
+class RegionNotReadableError(InvalidArgumentError):
+    """A read of a peer region whose owner did not register it with ``remote_read=True``
+    (regions are remotely writable only unless their owner opts in); nothing was posted."""
 
 
 class TransferError(FabricError):

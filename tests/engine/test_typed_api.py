@@ -82,7 +82,7 @@ def test_tensor_where_a_region_is_expected(tcp_pair) -> None:
 def test_descriptor_where_a_source_is_expected(tcp_pair) -> None:
     a, b = tcp_pair
     dst = b.register_buffer(bytearray(64))
-    with pytest.raises(errors.InvalidArgumentError, match="only be a destination"):
+    with pytest.raises(errors.InvalidArgumentError, match="names a peer.s region"):
         a.submit_write(dst.descriptor, dst.descriptor)  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidArgumentError, match="MemoryRegion"):
         a.submit_write(b"bytes", dst.descriptor)  # type: ignore[arg-type]

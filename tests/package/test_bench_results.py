@@ -25,7 +25,7 @@ HEADER_FIELDS = (
     "time",
 )
 TINY = [
-    "--sizes", "4K,64K", "--reps", "1", "--bytes-per-rep", "1M", "--ops", "2000",
+    "--sizes", "4K,64K", "--read-sizes", "4K,1M", "--reps", "1", "--bytes-per-rep", "1M", "--ops", "2000",
     "--iters", "200", "--warmup-iters", "20", "--poll", "adaptive", "--timeout", "120",
 ]  # fmt: skip
 
@@ -62,8 +62,14 @@ def test_bench_transfer_result_has_the_header_and_series(transfer_run) -> None:
     _check_header(document["header"], "bench_transfer")
     assert document["config"]["sizes"] == "4K,64K"
     series = document["results"]["throughput"]
-    assert set(series) == {"fabric-lib", "raw libfabric (baseline)"}
+    assert set(series) == {
+        "fabric-lib",
+        "raw libfabric (baseline)",
+        "fabric-lib read",
+        "raw libfabric read (baseline)",
+    }
     assert [p["size"] for p in series["fabric-lib"]] == [4096, 65536]
+    assert [p["size"] for p in series["fabric-lib read"]] == [4096, 1 << 20]
     assert all(p["gbytes_per_s"] > 0 for s in series.values() for p in s)
 
 

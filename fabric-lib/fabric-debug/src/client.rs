@@ -32,6 +32,8 @@ pub enum Test {
     Rtt,
     /// Paged-write sweep (`--page-sizes` × `--page-counts`).
     Paged,
+    /// Single-read throughput per `--read-sizes` (`--window` reads in flight).
+    Read,
 }
 
 /// `fabric-debug client` options.
@@ -46,7 +48,10 @@ pub struct ClientArgs {
     #[arg(long, value_delimiter = ',', value_parser = size_arg,
           default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB")]
     pub sizes: Vec<u64>,
-    /// Writes kept in flight in the throughput test.
+    /// Read sizes of the read test.
+    #[arg(long, value_delimiter = ',', value_parser = size_arg, default_value = "4KiB,64KiB,1MiB,16MiB")]
+    pub read_sizes: Vec<u64>,
+    /// Writes (and reads) kept in flight in the throughput (and read) test.
     #[arg(long, default_value_t = 16)]
     pub window: u64,
     /// Bytes moved per timed repetition of each size (at least two windows of writes).
@@ -106,6 +111,9 @@ fn phase_count(args: &ClientArgs) -> usize {
     if args.tests.contains(&Test::Paged) {
         n += args.page_sizes.len() * args.page_counts.len();
     }
+    if args.tests.contains(&Test::Read) {
+        n += args.read_sizes.len();
+    }
     n + usize::from(args.tests.contains(&Test::Oprate)) + usize::from(args.tests.contains(&Test::Rtt))
 }
 
@@ -115,8 +123,8 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         crate::bail!("--window, --op-window, --reps, --ops and --iters must be positive");
     }
     let stall = Duration::from_secs(args.stall_timeout);
-    let largest = args.sizes.iter().copied().chain([args.op_size, 4096]).max().unwrap_or(4096);
-    let ep = Endpoint::open(&args.engine, largest as usize)?;
+    let largest = args.sizes.iter().chain(&args.read_sizes).copied().chain([args.op_size, 4096]).max().unwrap_or(4096);
+    let ep = Endpoint::open(&args.engine, largest as usize, false)?;
     let mut ch = Channel::connect(&args.connect, Duration::from_secs(args.connect_timeout), stall)?;
     let (_, server_mr) = ch.recv()?.into_peer().context("server hello")?;
     ch.send(&Control::hello(ep.engine.main_address(), &ep.descriptor))?;
@@ -136,6 +144,7 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         wait: args.wait.name(),
         reps: args.reps,
         throughput: Vec::new(),
+        read_throughput: Vec::new(),
         paged: Vec::new(),
         op_rate: None,
         rtt: None,
@@ -165,6 +174,14 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
             posted += n;
         }
         verify("throughput", IMM_THROUGHPUT, posted, &mut report)?;
+    }
+    if args.tests.contains(&Test::Read) {
+        for &size in &args.read_sizes {
+            progress.step(&format!("read throughput {}", crate::units::format_size(size)));
+            let reads = writes_for(size, args.bytes_per_rep, args.window);
+            let shape = Shape { size, writes: reads, window: args.window, reps: args.reps, imm: 0 };
+            report.read_throughput.push(target.read_throughput(shape)?);
+        }
     }
     if args.tests.contains(&Test::Paged) {
         let (results, posted) =

@@ -3,7 +3,8 @@ use std::sync::Arc;
 
 use clap::Args;
 use fabric_lib::{
-    EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, TransferEngine, WriteCompletion,
+    EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, RegisterOptions, TransferEngine,
+    WriteCompletion,
 };
 
 use crate::error::{Context, Result};
@@ -101,8 +102,8 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Opens the engine the options describe and registers a `len`-byte buffer (touched, so no
-    /// page faults land inside a measurement).
-    pub fn open(args: &EngineArgs, len: usize) -> Result<Self> {
+    /// page faults land inside a measurement); `remote_read`: peers may read it.
+    pub fn open(args: &EngineArgs, len: usize, remote_read: bool) -> Result<Self> {
         let config = EngineConfig {
             provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain_names()? },
             poll_mode: args.poll_mode(),
@@ -114,10 +115,11 @@ impl Endpoint {
         let wanted = args.provider.as_deref().unwrap_or("<auto>");
         let engine = TransferEngine::new(config).with_context(|| format!("opening provider '{wanted}'"))?;
         let buffer: &'static mut [u8] = Box::leak(vec![0x5au8; len.max(1)].into_boxed_slice());
+        let options = RegisterOptions { remote_read };
         // SAFETY: the buffer is leaked, so it stays allocated for the rest of the process and
         // therefore until the engine has unregistered it (or stopped).
         let (handle, descriptor) =
-            unsafe { engine.register_memory(buffer.as_mut_ptr(), buffer.len(), MemoryKind::Host) }
+            unsafe { engine.register_memory_with(buffer.as_mut_ptr(), buffer.len(), MemoryKind::Host, options) }
                 .with_context(|| format!("registering a {len}-byte buffer"))?;
         Ok(Endpoint { engine: Arc::new(engine), handle, descriptor, len: len as u64 })
     }

@@ -13,7 +13,9 @@
 //! - single-write throughput per size, `window` writes in flight ([`throughput`]);
 //! - the rate of small writes with immediates, verified by the server counting them;
 //! - immediate round-trip latency, p50/p99 ([`latency`]);
-//! - paged-write sweeps, page sizes × page counts, per domain and in total ([`paged`]).
+//! - paged-write sweeps, page sizes × page counts, per domain and in total ([`paged`]);
+//! - single-read throughput per size, `window` reads in flight ([`reads`]; the server's buffer
+//!   is registered readable for it).
 //!
 //! `--gpus` reports the GPUs, their PCI addresses and nearest NICs, and how each provider
 //! registers their memory ([`gpus`]).
@@ -29,6 +31,7 @@ mod gpus;
 mod latency;
 mod paged;
 mod progress;
+mod reads;
 mod report;
 mod run_info;
 mod server;

@@ -65,6 +65,8 @@ pub struct Report {
     pub wait: &'static str,
     pub reps: u64,
     pub throughput: Vec<Throughput>,
+    /// Single-read throughput per size (`writes_per_rep` counts reads).
+    pub read_throughput: Vec<Throughput>,
     pub paged: Vec<crate::paged::Paged>,
     pub op_rate: Option<OpRate>,
     pub rtt: Option<Latency>,
@@ -106,6 +108,19 @@ impl Report {
         if !self.throughput.is_empty() {
             out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "size", "window", "writes", "GB/s", "Gbps");
             for t in &self.throughput {
+                out += &format!(
+                    "{:>10} {:>7} {:>9} {:>10.3} {:>10.2}\n",
+                    format_size(t.size),
+                    t.window,
+                    t.writes_per_rep,
+                    t.gbytes_per_s,
+                    t.gbits_per_s
+                );
+            }
+        }
+        if !self.read_throughput.is_empty() {
+            out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "read size", "window", "reads", "GB/s", "Gbps");
+            for t in &self.read_throughput {
                 out += &format!(
                     "{:>10} {:>7} {:>9} {:>10.3} {:>10.2}\n",
                     format_size(t.size),

@@ -33,11 +33,24 @@ pub struct ServerArgs {
     /// Seconds to wait for the immediates a client announced before reporting a mismatch.
     #[arg(long, default_value_t = 30)]
     pub verify_timeout: u64,
+    /// How the round-trip test's pongs are posted: `triggered` (armed on the worker, which posts
+    /// each pong as it counts the ping) or `callback` (an expectation callback per ping, on the
+    /// callback thread, posts it).
+    #[arg(long, value_enum, default_value = "triggered")]
+    pub echo: EchoKind,
+}
+
+/// See [`ServerArgs::echo`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EchoKind {
+    Triggered,
+    Callback,
 }
 
 /// Runs one client session, then returns.
 pub fn run(args: &ServerArgs) -> Result<()> {
-    let ep = Endpoint::open(&args.engine, args.buffer_size as usize)?;
+    // Readable: clients measure reads from it (the read test).
+    let ep = Endpoint::open(&args.engine, args.buffer_size as usize, true)?;
     let listener = TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     let bound = listener.local_addr().context("reading the listening address")?;
     println!("READY {bound} provider={} domain={}", ep.engine.provider(), ep.engine.domain_names().join(","));
@@ -60,7 +73,10 @@ pub fn run(args: &ServerArgs) -> Result<()> {
                 send_verdict(&ep.engine, &client, verdict)?;
             }
             Control::Echo { ping, pong, count } => {
-                arm_echo(Arc::downgrade(&ep.engine), client_mr.clone(), ping, pong, count)?;
+                match args.echo {
+                    EchoKind::Triggered => arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count)?,
+                    EchoKind::Callback => arm_echo(Arc::downgrade(&ep.engine), client_mr.clone(), ping, pong, count)?,
+                }
                 ch.send(&Control::Reply { ok: true, message: format!("echoing {count} pings") })?;
             }
             Control::Done => {
@@ -108,6 +124,21 @@ fn send_verdict(engine: &TransferEngine, client: &EngineAddress, verdict: Contro
             }),
         )
         .context("sending the verdict message")
+}
+
+/// Arms one triggered `pong` per expected `ping`: the worker posts each pong as soon as it
+/// counted the ping, with no thread in between.
+fn arm_triggered_echo(engine: &TransferEngine, dst: &MrDescriptor, ping: u32, pong: u32, count: u64) -> Result<()> {
+    for _ in 0..count {
+        let on_done = Box::new(|r: fabric_lib::Result<()>| match r {
+            // The session may end before the last pong's local completion is read.
+            Ok(()) | Err(fabric_lib::FabricError::Stopped) => {}
+            Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
+        });
+        let when = fabric_lib::Trigger { imm: ping, count: 1, timeout: None };
+        engine.arm_imm(when, pong, dst, on_done).context("arming a triggered pong")?;
+    }
+    Ok(())
 }
 
 /// Answers the next `remaining` arrivals of `ping` with `pong`, re-arming the expectation from

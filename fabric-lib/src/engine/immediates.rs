@@ -14,31 +14,39 @@ impl TransferEngine {
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
     /// network keys, into its owner engine's immediate slot: the receiver counts it the same).
     pub fn submit_imm(&self, imm: u32, dst: &MrDescriptor, on_done: OnDone) -> Result<()> {
-        if !dst.network_reachable() || self.same_host_imm(&dst.owner) {
-            return self.submit_imm_to(imm, &dst.owner, on_done);
-        }
-        let target = self.region_target(dst)?;
-        self.submit_imm_to_targets(imm, vec![target], on_done)
+        self.command(self.plan_imm(imm, dst, Notify::Callback(on_done))?)
     }
 
     /// Sends only an immediate to an engine (its immediate slot, or with `same_host_host_memory`
     /// its same-host inbox); no region needed.
     pub fn submit_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: OnDone) -> Result<()> {
+        self.command(self.plan_imm_to(imm, peer, Notify::Callback(on_done))?)
+    }
+
+    /// Plans an immediate to the owner of `dst` (through the region's keys where it has them and
+    /// the owner is not reached the same-host way).
+    pub(super) fn plan_imm(&self, imm: u32, dst: &MrDescriptor, on_done: Notify) -> Result<Command> {
+        if !dst.network_reachable() || self.same_host_imm(&dst.owner) {
+            return self.plan_imm_to(imm, &dst.owner, on_done);
+        }
+        Ok(self.plan_imm_to_targets(imm, vec![self.region_target(dst)?], on_done))
+    }
+
+    /// Plans an immediate to an engine: into its same-host inbox (`same_host_host_memory`), else
+    /// its immediate slot over the provider.
+    pub(super) fn plan_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: Notify) -> Result<Command> {
         if self.same_host_imm(peer) {
             let imm = Some(self.same_host_imm_target(imm, peer)?);
-            let on_done = Notify::Callback(on_done);
-            return self.command(Command::SameHost(SameHostTransfer {
-                region: SCRATCH_REGION,
-                write: None,
-                imm,
-                on_done,
-            }));
+            return Ok(Command::SameHost(SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done }));
         }
-        let target = self.engine_target(peer)?;
-        self.submit_imm_to_targets(imm, vec![target], on_done)
+        Ok(self.plan_imm_to_targets(imm, vec![self.engine_target(peer)?], on_done))
     }
 
     fn submit_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: OnDone) -> Result<()> {
+        self.command(self.plan_imm_to_targets(imm, targets, Notify::Callback(on_done)))
+    }
+
+    pub(super) fn plan_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: Notify) -> Command {
         let n = self.num_domains();
         let start = self.rotate(targets.len());
         let mut shards: Vec<Shard> = (0..targets.len())
@@ -52,13 +60,7 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
-        self.submit_transfer(Transfer {
-            region: SCRATCH_REGION,
-            targets,
-            shards,
-            deferred,
-            on_done: Notify::Callback(on_done),
-        })
+        Command::Transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done })
     }
 
     /// Registers a set of peer engines for scatters and barriers.

@@ -2,7 +2,7 @@
 //! GPU regions through CUDA IPC for same-host peers.
 use std::sync::atomic::Ordering;
 
-use super::{MrHandle, RegionInfo, TransferEngine};
+use super::{MrHandle, RegionInfo, RegisterOptions, TransferEngine};
 use crate::commands::Command;
 use crate::config::GpuRegistration;
 use crate::descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
@@ -21,6 +21,23 @@ impl TransferEngine {
         len: usize,
         kind: MemoryKind,
     ) -> Result<(MrHandle, MrDescriptor)> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.register_memory_with(ptr, len, kind, RegisterOptions::default()) }
+    }
+
+    /// [`TransferEngine::register_memory`] with options: `remote_read` lets peers read the
+    /// region as well (see [`RegisterOptions`]).
+    ///
+    /// # Safety
+    /// As for [`TransferEngine::register_memory`].
+    pub unsafe fn register_memory_with(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+        options: RegisterOptions,
+    ) -> Result<(MrHandle, MrDescriptor)> {
+        let remote_read = options.remote_read;
         if ptr.is_null() {
             return Err(FabricError::InvalidArgument("cannot register a null pointer".into()));
         }
@@ -31,7 +48,7 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("region extent overflows the address space".into()));
         }
         if let MemoryKind::Cuda(device) = kind {
-            return self.register_cuda(ptr as u64, len, device);
+            return self.register_cuda(ptr as u64, len, device, remote_read);
         }
         crate::host_memory::check_host_range(ptr as u64, len as u64)?;
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
@@ -42,6 +59,7 @@ impl TransferEngine {
             len,
             kind,
             network: true,
+            remote_read,
             gpu_registration,
             reply,
         })?;
@@ -55,6 +73,7 @@ impl TransferEngine {
             owner: self.address.clone(),
             keys: self.domain_keys(&registered),
             cuda: None,
+            remote_read,
         };
         Ok((MrHandle(region), descriptor))
     }
@@ -63,7 +82,7 @@ impl TransferEngine {
     /// provider has FI_HMEM, registered with the NIC as well (the descriptor then carries keys
     /// and the region is network-reachable). Without FI_HMEM the network cannot reach it: network
     /// writes from or to it fail with [`TransferEngine::gpu_network_error`].
-    fn register_cuda(&self, ptr: u64, len: usize, device: u32) -> Result<(MrHandle, MrDescriptor)> {
+    fn register_cuda(&self, ptr: u64, len: usize, device: u32, remote_read: bool) -> Result<(MrHandle, MrDescriptor)> {
         match crate::gpu::detect_memory_kind(ptr) {
             MemoryKind::Cuda(d) if d == device => {}
             MemoryKind::Cuda(d) => {
@@ -101,6 +120,7 @@ impl TransferEngine {
                 len,
                 kind,
                 network,
+                remote_read,
                 gpu_registration,
                 reply,
             })
@@ -131,6 +151,7 @@ impl TransferEngine {
                 offset: export.offset,
                 alloc_len: export.alloc_len as u64,
             }),
+            remote_read,
         };
         Ok((MrHandle(region), descriptor))
     }

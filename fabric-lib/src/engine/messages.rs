@@ -9,6 +9,11 @@ impl TransferEngine {
     /// Sends a small two-sided message (at most `max_message_size` bytes) to `peer`, whose
     /// receive callback gets the bytes.
     pub fn submit_send(&self, peer: &EngineAddress, data: Vec<u8>, on_done: OnDone) -> Result<()> {
+        self.command(self.plan_send(peer, data, Notify::Callback(on_done))?)
+    }
+
+    /// Checks a message against both engines' limits and wraps it in its command.
+    pub(super) fn plan_send(&self, peer: &EngineAddress, data: Vec<u8>, on_done: Notify) -> Result<Command> {
         self.check_peer(peer)?;
         if data.len() > self.config.max_message_size {
             return Err(FabricError::InvalidArgument(format!(
@@ -24,11 +29,7 @@ impl TransferEngine {
                 peer.max_message_size
             )));
         }
-        self.command(Command::Send(SendCommand {
-            peer: peer.domains[0].endpoint.clone(),
-            data,
-            on_done: Notify::Callback(on_done),
-        }))
+        Ok(Command::Send(SendCommand { peer: peer.domains[0].endpoint.clone(), data, on_done }))
     }
 
     /// Installs the callback for received messages (`None` keeps messages until one is set).

@@ -30,6 +30,14 @@ pub struct DomainStats {
     pub bytes: u64,
 }
 
+/// How [`TransferEngine::register_memory_with`] registers a region.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegisterOptions {
+    /// Let peers read the region (`submit_read`). Off by default: a region is then remotely
+    /// writable only, and its keys refuse reads in the provider.
+    pub remote_read: bool,
+}
+
 /// A registered region of this engine, as returned by [`TransferEngine::register_memory`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MrHandle(pub u64);
@@ -71,6 +79,8 @@ pub struct TransferEngine {
     stats: Arc<[worker::DomainCounters]>,
     /// Every domain moves GPU memory itself (FI_HMEM): GPU regions are registered with the NIC.
     hmem: bool,
+    /// Every domain issues and serves RMA reads (FI_READ | FI_REMOTE_READ).
+    rma_read: bool,
 }
 
 impl TransferEngine {
@@ -127,6 +137,7 @@ impl TransferEngine {
             stopped: AtomicBool::new(false),
             stats: info.stats.clone(),
             hmem: info.hmem,
+            rma_read: info.read,
         })
     }
 
@@ -281,7 +292,11 @@ mod counters;
 mod immediates;
 mod memory;
 mod messages;
+mod reads;
 mod routing;
 mod scatter;
 mod signals;
+mod triggers;
 mod writes;
+
+pub use triggers::Trigger;

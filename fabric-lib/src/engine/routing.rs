@@ -67,14 +67,20 @@ impl TransferEngine {
         })
     }
 
-    /// Picks the path: same-host CUDA when either side is GPU memory and the owner shares this
-    /// host (another process or this one) unless `force_network` is set (host memory on both
-    /// sides too with `same_host_host_memory`); the network otherwise, which needs GPU memory on
-    /// either side registered with the NIC (FI_HMEM).
+    /// Picks the path of a write: same-host CUDA when either side is GPU memory and the owner
+    /// shares this host (another process or this one) unless `force_network` is set (host memory
+    /// on both sides too with `same_host_host_memory`); the network otherwise, which needs GPU
+    /// memory on either side registered with the NIC (FI_HMEM).
     pub(super) fn route(&self, src: MrHandle, dst: &MrDescriptor) -> Result<Route> {
+        self.route_via(src, dst, self.config.same_host_host_memory)
+    }
+
+    /// [`TransferEngine::route`], with host memory on both sides taking the same-host path only
+    /// if `host_to_host` (reads between host regions always take the provider).
+    pub(super) fn route_via(&self, src: MrHandle, dst: &MrDescriptor, host_to_host: bool) -> Result<Route> {
         let src = self.region_info(src)?;
         let gpu = src.kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
-        let same_host_path = gpu || self.config.same_host_host_memory;
+        let same_host_path = gpu || host_to_host;
         if !same_host_path || !dst.owner.is_same_host() || self.config.force_network {
             if !src.network {
                 return Err(self.gpu_network_error("source", src.kind));

@@ -29,6 +29,11 @@ impl TransferEngine {
     }
 
     fn submit_write_notify(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<()> {
+        self.command(self.plan_write(req, on_done)?)
+    }
+
+    /// Checks and plans a write into the command that carries it (posted now, or armed).
+    pub(super) fn plan_write(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<Command> {
         check_range("source", self.region_len(req.src)?, req.src_offset, req.len)?;
         let route = self.route(req.src, req.dst)?;
         req.dst.check_range(req.dst_offset, req.len)?;
@@ -43,7 +48,7 @@ impl TransferEngine {
             Route::SameHost(local) => {
                 let copy =
                     SameHostCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
-                return self.submit_same_host(req.src, req.dst, local, copy, req.imm, on_done);
+                return self.plan_same_host(req.src, req.dst, local, copy, req.imm, on_done);
             }
         };
         let pieces = match req.domains {
@@ -65,7 +70,7 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &[req.imm]);
-        self.submit_transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done })
+        Ok(Command::Transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done }))
     }
 
     /// Posts a paged write (see [`PagedWriteRequest`]); every page index is checked against both
@@ -150,10 +155,22 @@ impl TransferEngine {
         imm: Option<u32>,
         on_done: Notify,
     ) -> Result<()> {
+        self.command(self.plan_same_host(src, dst, local, copy, imm, on_done)?)
+    }
+
+    fn plan_same_host(
+        &self,
+        src: MrHandle,
+        dst: &MrDescriptor,
+        local: SameHostDst,
+        copy: SameHostCopy,
+        imm: Option<u32>,
+        on_done: Notify,
+    ) -> Result<Command> {
         let imm = match imm {
             Some(imm) => Some(self.same_host_imm_target(imm, &dst.owner)?),
             None => None,
         };
-        self.command(Command::SameHost(SameHostTransfer { region: src.0, write: Some((local, copy)), imm, on_done }))
+        Ok(Command::SameHost(SameHostTransfer { region: src.0, write: Some((local, copy)), imm, on_done }))
     }
 }

@@ -52,6 +52,8 @@ impl Worker {
                  engine); its re-admission report tells it what was counted"
             );
         }
+        // Armed triggers take the arrivals they wait for before the table sees them.
+        let batch = self.feed_triggers(batch);
         if !batch.is_empty() {
             let events = self.imm.add_batch(&batch);
             self.callbacks.push_imm_events(events);

@@ -7,6 +7,8 @@ use libfabric_sys::fi_context2;
 pub enum OpKind {
     /// One posted write of `request`, reading from registered region `region` (0: scratch).
     Write { request: u64, region: u64 },
+    /// One posted read of `request`, landing in registered region `region`.
+    Read { request: u64, region: u64 },
     /// A posted send of `request` from send buffer `slot` of `domain`.
     Send { request: u64, slot: usize, domain: u16 },
     /// A posted receive buffer `slot` of `domain`.

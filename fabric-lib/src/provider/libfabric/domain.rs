@@ -72,8 +72,8 @@ pub enum Posted {
 
 /// One libfabric domain with its endpoint, owned by a single thread.
 pub struct LibfabricDomain {
-    info: FabricInfo,
-    fids: Rc<DomainFids>,
+    pub(super) info: FabricInfo,
+    pub(super) fids: Rc<DomainFids>,
     address: Vec<u8>,
     peers: HashMap<Vec<u8>, sys::fi_addr_t>,
     entries: Vec<sys::fi_cq_data_entry>,
@@ -192,13 +192,14 @@ impl LibfabricDomain {
 
     /// Registers CUDA memory of `device` (FI_HMEM domains only): the provider moves it without
     /// staging through host memory. `mode` picks DMA-BUF or the CUDA interface (see
-    /// [`GpuRegistration`]); returns which one registered it.
+    /// [`GpuRegistration`]); returns which one registered it. `access`: as for host memory.
     pub fn register_cuda(
         &mut self,
         ptr: *mut u8,
         len: usize,
         device: u32,
         mode: GpuRegistration,
+        access: Access,
     ) -> Result<(LocalMr, NicRegistration)> {
         if !self.has_hmem() {
             return Err(FabricError::ProviderUnavailable(format!(
@@ -210,8 +211,8 @@ impl LibfabricDomain {
         let mut failures = Vec::new();
         for how in attempts {
             let registered = match how {
-                NicRegistration::CudaIface => self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Cuda(device)),
-                NicRegistration::Dmabuf => self.register_dmabuf(ptr, len, device),
+                NicRegistration::CudaIface => self.register_on(ptr, len, access, MrMemory::Cuda(device)),
+                NicRegistration::Dmabuf => self.register_dmabuf(ptr, len, device, access),
             };
             match registered {
                 Ok(mr) => {
@@ -236,11 +237,11 @@ impl LibfabricDomain {
     }
 
     /// DMA-BUF registration: exports the range with the CUDA driver, then `FI_MR_DMABUF`.
-    fn register_dmabuf(&mut self, ptr: *mut u8, len: usize, device: u32) -> Result<LocalMr> {
+    fn register_dmabuf(&mut self, ptr: *mut u8, len: usize, device: u32, access: Access) -> Result<LocalMr> {
         let ctx = cuda_lib::Context::new(device as usize)?;
         let range = cuda_lib::export_dmabuf_range(&ctx, ptr as u64, len)
             .map_err(|e| FabricError::Cuda(format!("exporting GPU memory {ptr:p}+{len} as DMA-BUF: {e}")))?;
-        let mut mr = self.register_on(ptr, len, Access::RemoteWrite, MrMemory::Dmabuf(Some(device), &range))?;
+        let mut mr = self.register_on(ptr, len, access, MrMemory::Dmabuf(Some(device), &range))?;
         mr.dmabuf = Some(range);
         Ok(mr)
     }
@@ -298,7 +299,7 @@ impl LibfabricDomain {
         self.peers.get(address).copied()
     }
 
-    fn posted(call: &'static str, ret: isize) -> Result<Posted> {
+    pub(super) fn posted(call: &'static str, ret: isize) -> Result<Posted> {
         match ret {
             0 => Ok(Posted::Ok),
             r if r == -(sys::FI_EAGAIN as isize) => Ok(Posted::Again),

@@ -7,6 +7,7 @@ mod endpoint;
 mod error;
 mod info;
 mod mr;
+mod read;
 
 pub use context::{OpContext, OpKind};
 pub use dmabuf::{runtime_version, version_string, NicRegistration, DMABUF_API_VERSION};

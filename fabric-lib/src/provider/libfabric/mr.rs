@@ -14,8 +14,10 @@ use crate::error::{FabricError, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
     /// A region peers write into (user regions; the engine's immediate slot), and the source of
-    /// this engine's writes and messages. Not remotely readable.
+    /// this engine's writes and messages, and the destination of its reads. Not remotely readable.
     RemoteWrite,
+    /// [`Access::RemoteWrite`], and peers may read it too (the owner opted in at registration).
+    RemoteReadWrite,
     /// Library message buffers: sent from and received into, never touched remotely.
     MessagesOnly,
 }
@@ -25,6 +27,7 @@ impl Access {
         let local = (sys::FI_SEND | sys::FI_RECV) as u64;
         match self {
             Access::RemoteWrite => local | (sys::FI_WRITE | sys::FI_READ | sys::FI_REMOTE_WRITE) as u64,
+            Access::RemoteReadWrite => Access::RemoteWrite.flags() | sys::FI_REMOTE_READ as u64,
             Access::MessagesOnly => local,
         }
     }

@@ -26,6 +26,17 @@ pub(super) struct HostWrite {
     pub pieces: Vec<(usize, u64, usize)>,
 }
 
+/// What was enqueued for one request, before its event is recorded.
+pub(super) struct InFlightCopy {
+    pub request: u64,
+    pub region: u64,
+    /// Kept alive until the copy completed; `buffers[0]` is the staging of a `host_write`.
+    pub buffers: Vec<PinnedHostBuffer>,
+    pub host_write: Option<HostWrite>,
+    /// An error after work was enqueued (reported once the stream passed it).
+    pub error: Option<FabricError>,
+}
+
 struct InFlight {
     request: u64,
     region: u64,
@@ -116,8 +127,9 @@ impl SameHostChannel {
         }
     }
 
-    /// The address of the destination region's byte 0 as seen from `device` in this process.
-    fn dst_base(&mut self, device: usize, dst: &SameHostDst) -> Result<u64> {
+    /// The address of the destination region's byte 0 as seen from `device` in this process
+    /// (for reads: of the peer's GPU region, the source).
+    pub(super) fn dst_base(&mut self, device: usize, dst: &SameHostDst) -> Result<u64> {
         let MemoryKind::Cuda(dst_dev) = dst.kind else { unreachable!("host destinations are written by the CPU") };
         if dst.same_process {
             let dst_dev = dst_dev as usize;
@@ -178,7 +190,7 @@ impl SameHostChannel {
         let mut host_write = None;
         // Everything fallible that enqueues nothing fails here with `?`; once work is enqueued
         // an error travels with the in-flight entry (reported after the stream passed it).
-        let mut enqueue_error = match (src.kind, dst.kind) {
+        let enqueue_error = match (src.kind, dst.kind) {
             (MemoryKind::Host, MemoryKind::Host) => {
                 return Err(FabricError::InvalidArgument("host-to-host writes take the network path".into()))
             }
@@ -192,6 +204,12 @@ impl SameHostChannel {
                 error
             }
         };
+        self.track_copy(device, InFlightCopy { request, region, buffers, host_write, error: enqueue_error })
+    }
+
+    /// Ends what was enqueued on `device` with an event that [`SameHostChannel::poll`] watches.
+    pub(super) fn track_copy(&mut self, device: usize, copy: InFlightCopy) -> Result<()> {
+        let InFlightCopy { request, region, buffers, host_write, mut error } = copy;
         let d = self.device(device)?;
         let event = match d.events.pop() {
             Some(e) => e,
@@ -200,9 +218,9 @@ impl SameHostChannel {
         if let Err(e) = event.record(&d.stream) {
             // Nothing to poll: wait here so the buffers are not reused under a running copy.
             let _ = d.stream.synchronize();
-            enqueue_error.get_or_insert(e.into());
+            error.get_or_insert(e.into());
         }
-        d.inflight.push_back(InFlight { request, region, event, buffers, host_write, error: enqueue_error });
+        d.inflight.push_back(InFlight { request, region, event, buffers, host_write, error });
         Ok(())
     }
 

@@ -19,6 +19,9 @@
 //! - host → host (only with `same_host_host_memory`): the worker writes into the peer with
 //!   `process_vm_writev` itself (`host_copy`), no CUDA involved.
 //!
+//! Reads (a peer region into a local one, GPU memory on either side) mirror these paths; see
+//! `read.rs`.
+//!
 //! Every copy runs on a worker-owned stream per device and ends with an event; the worker polls
 //! those events alongside its completion queues (never a blocking synchronize). Completions of
 //! one device come in submission order.
@@ -33,6 +36,7 @@ mod channel;
 mod host_copy;
 mod inbox;
 mod process_vm;
+mod read;
 mod to_gpu;
 mod to_host;
 

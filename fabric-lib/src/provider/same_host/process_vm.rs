@@ -1,18 +1,47 @@
-//! Writing bytes into another process's host memory (`process_vm_writev`): the last step of a
-//! GPU → host same-host write (whose data CUDA staged in pinned memory of this process), and the
-//! whole of a host → host one.
+//! Moving bytes between this process and another process's host memory (`process_vm_writev`,
+//! `process_vm_readv`): the last step of a GPU → host same-host write, whose data CUDA staged in
+//! pinned memory of this process, the whole of a host → host one (`same_host_host_memory`), and
+//! the first step of a same-host read of a peer's host memory into GPU memory (read into pinned
+//! staging, then copied to the GPU).
 use crate::error::{FabricError, Result};
+
+/// Which way the bytes go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// From this process into the peer (`process_vm_writev`).
+    Write,
+    /// From the peer into this process (`process_vm_readv`).
+    Read,
+}
 
 /// Writes `pieces` (local offset, remote address, length) into process `pid`.
 ///
 /// # Safety
 /// `base + off .. + len` must be readable for every piece.
 pub(super) unsafe fn process_vm_write(pid: u32, base: *const u8, pieces: &[(usize, u64, usize)]) -> Result<()> {
+    // SAFETY: forwarded; a write only reads the local side.
+    unsafe { process_vm_copy(Direction::Write, pid, base as *mut u8, pieces) }
+}
+
+/// Reads `pieces` (local offset, remote address, length) of process `pid` into `base`.
+///
+/// # Safety
+/// `base + off .. + len` must be writable for every piece.
+pub(super) unsafe fn process_vm_read(pid: u32, base: *mut u8, pieces: &[(usize, u64, usize)]) -> Result<()> {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { process_vm_copy(Direction::Read, pid, base, pieces) }
+}
+
+unsafe fn process_vm_copy(direction: Direction, pid: u32, base: *mut u8, pieces: &[(usize, u64, usize)]) -> Result<()> {
     const IOV_MAX: usize = 1024;
+    let (call, what) = match direction {
+        Direction::Write => ("process_vm_writev", "writing GPU data into host memory of"),
+        Direction::Read => ("process_vm_readv", "reading host memory of"),
+    };
     for chunk in pieces.chunks(IOV_MAX) {
         let mut local: Vec<libc::iovec> = chunk
             .iter()
-            // SAFETY: in bounds of the staging buffer (caller's contract).
+            // SAFETY: in bounds of the local buffer (caller's contract).
             .map(|&(off, _, len)| libc::iovec { iov_base: unsafe { base.add(off) } as *mut libc::c_void, iov_len: len })
             .collect();
         let mut remote: Vec<libc::iovec> = chunk
@@ -20,20 +49,18 @@ pub(super) unsafe fn process_vm_write(pid: u32, base: *const u8, pieces: &[(usiz
             .map(|&(_, addr, len)| libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len })
             .collect();
         let mut total: usize = chunk.iter().map(|p| p.2).sum();
-        // process_vm_writev may stop early; resume after the bytes it wrote.
+        // process_vm_{readv,writev} may stop early; resume after the bytes it moved.
         let (mut li, mut ri) = (0usize, 0usize);
         while total > 0 {
+            let (lp, ln) = (local[li..].as_ptr(), (local.len() - li) as libc::c_ulong);
+            let (rp, rn) = (remote[ri..].as_ptr(), (remote.len() - ri) as libc::c_ulong);
             // SAFETY: the iovec arrays are valid for their lengths; the kernel validates the
             // remote ranges.
             let n = unsafe {
-                libc::process_vm_writev(
-                    pid as libc::pid_t,
-                    local[li..].as_ptr(),
-                    (local.len() - li) as libc::c_ulong,
-                    remote[ri..].as_ptr(),
-                    (remote.len() - ri) as libc::c_ulong,
-                    0,
-                )
+                match direction {
+                    Direction::Write => libc::process_vm_writev(pid as libc::pid_t, lp, ln, rp, rn, 0),
+                    Direction::Read => libc::process_vm_readv(pid as libc::pid_t, lp, ln, rp, rn, 0),
+                }
             };
             if n < 0 {
                 let err = std::io::Error::last_os_error();
@@ -43,17 +70,13 @@ pub(super) unsafe fn process_vm_write(pid: u32, base: *const u8, pieces: &[(usiz
                          /proc/sys/kernel/yama/ptrace_scope = 0, or grant CAP_SYS_PTRACE)"
                     }
                     Some(libc::ESRCH) => " (the peer process is gone)",
-                    Some(libc::EFAULT) => " (the destination is no longer mapped in the peer: region freed?)",
+                    Some(libc::EFAULT) => " (the peer's region is no longer mapped: region freed?)",
                     _ => "",
                 };
-                return Err(FabricError::TransferFailed(format!(
-                    "writing into host memory of process {pid} with process_vm_writev: {err}{hint}"
-                )));
+                return Err(FabricError::TransferFailed(format!("{what} process {pid} with {call}: {err}{hint}")));
             }
             if n == 0 {
-                return Err(FabricError::TransferFailed(format!(
-                    "process_vm_writev into process {pid} made no progress"
-                )));
+                return Err(FabricError::TransferFailed(format!("{call} with process {pid} made no progress")));
             }
             let n = n as usize;
             total -= n.min(total);
@@ -97,6 +120,22 @@ mod tests {
         assert_eq!(&dst[0..1000], &src[1000..2000]);
         assert_eq!(&dst[2000..3000], &src[2000..3000]);
         assert!(dst[1000..2000].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn process_vm_read_from_this_process_gathers_pieces() {
+        let src: Vec<u8> = (0..=255u8).cycle().take(5000).collect();
+        let mut dst = vec![0u8; 3000];
+        let s = src.as_ptr() as u64;
+        let pieces = [(0usize, s + 4000, 1000usize), (1000, s, 1000), (2000, s + 2000, 1000)];
+        // SAFETY: every piece is inside `src` and `dst`, both alive.
+        unsafe { process_vm_read(std::process::id(), dst.as_mut_ptr(), &pieces) }.unwrap();
+        assert_eq!(&dst[0..1000], &src[4000..5000]);
+        assert_eq!(&dst[1000..2000], &src[0..1000]);
+        assert_eq!(&dst[2000..3000], &src[2000..3000]);
+        // SAFETY: as above; the remote address is unmapped, which the kernel reports.
+        let e = unsafe { process_vm_read(std::process::id(), dst.as_mut_ptr(), &[(0, 8, 16)]) }.unwrap_err();
+        assert!(e.to_string().contains("process_vm_readv"), "{e}");
     }
 
     #[test]

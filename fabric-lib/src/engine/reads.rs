@@ -1,0 +1,184 @@
+//! Single and paged reads: pull bytes of a peer's region into a local one. Checked in full on the
+//! caller's thread (both ranges, the peer's read permission, the provider's read capability)
+//! before anything is posted; the request completes once the bytes are in the local region.
+//!
+//! A peer region is readable only when its owner registered it with `remote_read`: the
+//! descriptor says so (checked here, a typed error before anything is posted) and its provider
+//! keys carry FI_REMOTE_READ only then (what the owner's provider enforces against a forged
+//! descriptor).
+use std::sync::Arc;
+
+use super::routing::Route;
+use super::{MrHandle, RegionInfo, TransferEngine};
+use crate::commands::{Command, Target, Transfer};
+use crate::completion::{CompletionCounter, Notify, OnDone};
+use crate::descriptor::{check_range, MrDescriptor};
+use crate::error::{FabricError, Result};
+use crate::provider::same_host::{Pages, SameHostCopy};
+use crate::requests::{PagedReadRequest, ReadRequest};
+use crate::sharding::{split_bytes, DomainChoice, Shard};
+
+impl TransferEngine {
+    /// Reads `req.len` bytes of a peer region into a local one; `on_done` runs on the callback
+    /// thread once the bytes are in the local region (or a part failed). Bad input is rejected
+    /// here and nothing is posted.
+    pub fn submit_read(&self, req: &ReadRequest<'_>, on_done: OnDone) -> Result<()> {
+        self.submit_read_notify(req, Notify::Callback(on_done))
+    }
+
+    /// [`TransferEngine::submit_read`] that reports to `counter` instead of a callback: the
+    /// worker bumps it directly (no callback-thread hop), the fast path for many small reads.
+    pub fn submit_read_counted(&self, req: &ReadRequest<'_>, counter: &Arc<CompletionCounter>) -> Result<()> {
+        self.submit_read_notify(req, Notify::Counter(counter.clone()))
+    }
+
+    fn submit_read_notify(&self, req: &ReadRequest<'_>, on_done: Notify) -> Result<()> {
+        let local = self.read_checks(req.dst, req.src)?;
+        check_range("destination", local.len, req.dst_offset, req.len)?;
+        check_range("source", req.src.len, req.src_offset, req.len)?;
+        let n = self.num_domains();
+        if let DomainChoice::Pinned(d) = req.domains {
+            if d >= n {
+                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")));
+            }
+        }
+        let target = match self.read_route(req.dst, req.src)? {
+            Route::Network(t) => t,
+            Route::SameHost(peer) => {
+                let copy =
+                    SameHostCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
+                return self.command(Command::SameHostRead(crate::commands::SameHostRead {
+                    region: req.dst.0,
+                    peer,
+                    copy,
+                    on_done,
+                }));
+            }
+        };
+        let pieces = match req.domains {
+            _ if req.len == 0 => Vec::new(),
+            DomainChoice::Pinned(d) => vec![(d, 0, req.len)],
+            DomainChoice::Shard(k) => split_bytes(req.len, n, k, self.rotate(1), self.config().shard_min_bytes),
+        };
+        let shards = pieces
+            .into_iter()
+            .map(|(domain, off, len)| Shard {
+                peer: 0,
+                domain: domain as u16,
+                // A read's shard: `src_offset` is local (where the bytes land), `dst_offset` remote.
+                src_offset: req.dst_offset + off,
+                len,
+                dst_offset: req.src_offset + off,
+                imm: None,
+            })
+            .collect();
+        self.submit_read_shards(req.dst, target, shards, on_done)
+    }
+
+    /// Reads pages of a peer region into pages of a local region (see [`PagedReadRequest`]);
+    /// every page index is checked against both regions before anything is posted.
+    pub fn submit_paged_reads(&self, req: &PagedReadRequest<'_>, on_done: OnDone) -> Result<()> {
+        let local = self.read_checks(req.dst, req.src)?;
+        if req.src_pages.len() != req.dst_pages.len() {
+            return Err(FabricError::InvalidArgument(format!(
+                "{} source pages but {} destination pages",
+                req.src_pages.len(),
+                req.dst_pages.len()
+            )));
+        }
+        if req.src_pages.is_empty() {
+            return Err(FabricError::InvalidArgument("paged read with an empty page list".into()));
+        }
+        if req.page_len == 0 {
+            return Err(FabricError::InvalidArgument("page length must be positive".into()));
+        }
+        if req.src_pages.len() > u32::MAX as usize {
+            return Err(FabricError::InvalidArgument("too many pages for one paged read".into()));
+        }
+        let page_range = |side: &str, pages: &[u32], stride: u64, offset: u64, region_len: u64| -> Result<()> {
+            let (i, max) = pages.iter().enumerate().max_by_key(|(_, p)| **p).expect("non-empty");
+            let start = u64::from(*max)
+                .checked_mul(stride)
+                .and_then(|s| s.checked_add(offset))
+                .ok_or_else(|| FabricError::InvalidArgument(format!("{side} page {max} overflows")))?;
+            check_range(side, region_len, start, req.page_len)
+                .map_err(|e| FabricError::InvalidArgument(format!("{side} page index {max} (position {i}): {e}")))
+        };
+        page_range("source", req.src_pages, req.src_stride, req.src_offset, req.src.len)?;
+        page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, local.len)?;
+        let on_done = Notify::Callback(on_done);
+        let target = match self.read_route(req.dst, req.src)? {
+            Route::Network(t) => t,
+            Route::SameHost(peer) => {
+                // Same layout as a paged write, with the peer as the source side.
+                let copy = SameHostCopy::Paged(Pages {
+                    page_len: req.page_len,
+                    src_pages: req.src_pages.to_vec(),
+                    src_stride: req.src_stride,
+                    src_offset: req.src_offset,
+                    dst_pages: req.dst_pages.to_vec(),
+                    dst_stride: req.dst_stride,
+                    dst_offset: req.dst_offset,
+                });
+                return self.command(Command::SameHostRead(crate::commands::SameHostRead {
+                    region: req.dst.0,
+                    peer,
+                    copy,
+                    on_done,
+                }));
+            }
+        };
+        let n = self.num_domains();
+        let start = self.rotate(req.src_pages.len());
+        let shards = req
+            .src_pages
+            .iter()
+            .zip(req.dst_pages)
+            .enumerate()
+            .map(|(i, (&s, &d))| Shard {
+                peer: 0,
+                domain: ((start + i) % n) as u16,
+                src_offset: u64::from(d) * req.dst_stride + req.dst_offset,
+                len: req.page_len,
+                dst_offset: u64::from(s) * req.src_stride + req.src_offset,
+                imm: None,
+            })
+            .collect();
+        self.submit_read_shards(req.dst, target, shards, on_done)
+    }
+
+    /// What every read checks first: the local region exists, the peer region is readable and
+    /// belongs to a compatible engine, and this provider can read at all.
+    fn read_checks(&self, dst: MrHandle, src: &MrDescriptor) -> Result<RegionInfo> {
+        let local = self.region_info(dst)?;
+        self.check_peer(&src.owner)?;
+        src.check_readable()?;
+        Ok(local)
+    }
+
+    /// The path of a read: the same-host channel when GPU memory is on either side and the
+    /// owner shares this host (unless `force_network`), the provider otherwise.
+    fn read_route(&self, dst: MrHandle, src: &MrDescriptor) -> Result<Route> {
+        // The routing rules are those of writes, with the peer as the source side (host to host
+        // over the provider whatever `same_host_host_memory` says).
+        let route = self.route_via(dst, src, false)?;
+        if matches!(route, Route::Network(_)) && !self.rma_read {
+            return Err(FabricError::ProviderUnavailable(format!(
+                "provider '{}' cannot do RMA reads here (no FI_READ / FI_REMOTE_READ); use writes, or \
+                 a provider that reads (tcp, udp;ofi_rxd, shm, efa, verbs;ofi_rxm)",
+                self.provider()
+            )));
+        }
+        Ok(route)
+    }
+
+    fn submit_read_shards(&self, dst: MrHandle, target: Target, shards: Vec<Shard>, on_done: Notify) -> Result<()> {
+        self.command(Command::Read(Transfer {
+            region: dst.0,
+            targets: vec![target],
+            shards,
+            deferred: Vec::new(),
+            on_done,
+        }))
+    }
+}
