@@ -127,3 +127,29 @@ fn an_inbox_that_cannot_be_opened_falls_back_to_the_provider() {
     a.stop();
     b.stop();
 }
+
+#[test]
+fn inbox_immediates_fire_triggers_and_triggered_immediates_take_the_inbox() {
+    let a = engine(true, 64);
+    let b = engine(true, 64);
+    // B answers every 10 immediates 5 from A with one immediate 6 into A's inbox: an echo with
+    // no thread hand-off on either side of the shared memory.
+    for round in 1..=20u64 {
+        let (tx, rx) = mpsc::channel();
+        let when = fabric_lib::Trigger { imm: 5, count: 10, timeout: None };
+        let echo = tx.clone();
+        b.arm_imm_to(when, 6, a.main_address(), Box::new(move |r| echo.send(r).unwrap())).unwrap();
+        for _ in 0..10 {
+            let tx = tx.clone();
+            a.submit_imm_to(5, b.main_address(), Box::new(move |r| tx.send(r).unwrap())).unwrap();
+        }
+        for _ in 0..11 {
+            rx.recv_timeout(T).expect("completion in time").expect("request ok");
+        }
+        a.wait_imm_count(6, 1, T).unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+    assert_eq!(b.imm_count(5), 0, "the trigger consumed what it counted");
+    assert_eq!((posted(&a), posted(&b)), (0, 0), "nothing went over the provider");
+    a.stop();
+    b.stop();
+}
