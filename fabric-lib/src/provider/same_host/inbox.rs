@@ -377,6 +377,28 @@ mod tests {
     }
 
     #[test]
+    fn a_hole_punched_into_the_inbox_is_refused_not_a_crash() {
+        let (mut inbox, peer) = pair(8);
+        for i in 0..3 {
+            assert!(peer.push(7, i));
+        }
+        assert_eq!(drain_all(&mut inbox).0.len(), 3);
+        // SAFETY: plain syscall on the inbox's own descriptor; the pages then read as zeros.
+        let punched = unsafe {
+            libc::fallocate(
+                inbox._fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                inbox_len(8) as libc::off_t,
+            )
+        };
+        assert_eq!(punched, 0, "{}", std::io::Error::last_os_error());
+        // Every zeroed slot at the read position is refused, one lap at most.
+        let (got, refused) = drain_all(&mut inbox);
+        assert_eq!((got, refused), (vec![], 8));
+    }
+
+    #[test]
     fn opening_anything_but_the_announced_inbox_fails() {
         let inbox = Inbox::create(16).unwrap();
         let a = inbox.address();
