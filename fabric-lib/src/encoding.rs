@@ -15,7 +15,8 @@ use crate::error::{FabricError, Result};
 /// 4: writes carry the writer's epoch tag above the immediate in their remote CQ data, and
 ///    re-admission is a handshake of control messages (`epoch`).
 /// 5: descriptors say whether peers may read the region.
-pub const ENCODING_VERSION: u16 = 5;
+/// 6: addresses carry the engine's same-host immediate inbox.
+pub const ENCODING_VERSION: u16 = 6;
 const HEADER_LEN: usize = 10;
 const CHECKSUM_LEN: usize = 4;
 

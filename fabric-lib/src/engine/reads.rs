@@ -159,8 +159,9 @@ impl TransferEngine {
     /// The path of a read: the same-host channel when GPU memory is on either side and the
     /// owner shares this host (unless `force_network`), the provider otherwise.
     fn read_route(&self, dst: MrHandle, src: &MrDescriptor) -> Result<Route> {
-        // The routing rules are those of writes, with the peer as the source side.
-        let route = self.route(dst, src)?;
+        // The routing rules are those of writes, with the peer as the source side (host to host
+        // over the provider whatever `same_host_host_memory` says).
+        let route = self.route_via(dst, src, false)?;
         if matches!(route, Route::Network(_)) && !self.rma_read {
             return Err(FabricError::ProviderUnavailable(format!(
                 "provider '{}' cannot do RMA reads here (no FI_READ / FI_REMOTE_READ); use writes, or \
