@@ -5,7 +5,7 @@
 One process, two TransferEngines (provider tcp on loopback, busy polling): the writer owns a
 buffer on GPU ``--src``, the receiver one on GPU ``--dst``. Every request carries an immediate and
 a run ends when the receiver counted all of them (so the numbers include making the data visible
-and the immediates' trip over the provider). Measured in the same run:
+and the immediates' trip through the receiver's shared-memory inbox). Measured in the same run:
 
 - single writes (>= 1 MiB) vs ``dst.copy_(src)`` across the GPUs (torch peer copy, copy engines,
   the baseline);
@@ -251,7 +251,8 @@ def main() -> None:
         "--write-completion",
         choices=("auto", "delivery", "transmit"),
         default="auto",
-        help="the engines' write_completion (the immediate after each copy travels over tcp)",
+        help="the engines' write_completion (same-host immediates take the shared-memory inbox, so this "
+        "only matters where the inbox is unavailable and they travel over tcp)",
     )
     args = ap.parse_args()
     n = fcuda.device_count()

@@ -1,6 +1,6 @@
 """Compare fabric-lib with a raw-libfabric loop, server and client on one host.
 
-    python -m benchmarks.bench_transfer [--provider tcp] [--sizes 4K,1M,64M] [--json-out PATH]
+    python -m benchmarks.bench_transfer [--provider tcp] [--sizes 4K,1M,64M] [--same-host] [--json-out PATH]
 
 Builds `fabric-debug` (``cargo build --release -p fabric-debug``) if its binary is missing,
 compiles ``benchmarks/raw_libfabric/raw_write.c`` into ``<target>/raw_libfabric/``, then runs a
@@ -214,9 +214,10 @@ def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     }
 
 
-def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
+def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path, same_host: bool = False) -> dict:
     mode = ["--adaptive"] if a.poll == "adaptive" else ["--busy"]
     mode += ["--write-completion", a.write_completion]
+    mode += ["--same-host-host-memory"] if same_host else []
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
     client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
@@ -239,8 +240,30 @@ def combine(rounds: list[dict], pick) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def same_host_summary(rounds: list[dict]) -> dict:
+    """Medians of the same-host runs (process_vm_writev + shared-memory inbox)."""
+    return {
+        "throughput": {
+            t["size"]: combine(
+                rounds,
+                lambda r, s=t["size"]: next(
+                    (x["gbytes_per_s"] for x in r["throughput"] if x["size"] == s), None
+                ),
+            )
+            for t in rounds[0]["throughput"]
+        },
+        "mops_per_s": combine(rounds, lambda r: (r.get("op_rate") or {}).get("mops_per_s")),
+        "p50_us": combine(rounds, lambda r: (r.get("rtt") or {}).get("p50_us")),
+        "p99_us": combine(rounds, lambda r: (r.get("rtt") or {}).get("p99_us")),
+    }
+
+
 def compare(
-    raw_rounds: list[dict], fab_rounds: list[dict], sizes: list[int], read_sizes: list[int] | None = None
+    raw_rounds: list[dict],
+    fab_rounds: list[dict],
+    sizes: list[int],
+    read_sizes: list[int] | None = None,
+    same_host_rounds: list[dict] | None = None,
 ) -> dict:
     def size_pick(size, key, series="throughput"):
         return lambda r: next((t[key] for t in r.get(series, []) if t["size"] == size), None)
@@ -272,6 +295,7 @@ def compare(
     return {
         "throughput": rows,
         "read_throughput": read_rows,
+        "same_host": same_host_summary(same_host_rounds) if same_host_rounds else None,
         "op_rate": {
             "size": 64,
             "raw_mops_per_s": raw_op,
@@ -318,6 +342,18 @@ def table(cmp: dict, a: argparse.Namespace, provider: str) -> str:
         f"{fmt(lat['fabric_lib_p99_us'], '.1f')} us (baseline: p50 {fmt(lat['raw_p50_us'], '.1f')} us, "
         f"p99 {fmt(lat['raw_p99_us'], '.1f')} us)"
     )
+    same = cmp.get("same_host")
+    if same:
+        out += [
+            "",
+            "same-host path (--same-host: process_vm_writev + the peer's shared-memory inbox, same run):",
+            f"  op rate, 64 B writes with imm: {fmt(same['mops_per_s'], '.3f')} Mops/s "
+            f"(provider path {fmt(op['fabric_lib_mops_per_s'], '.3f')})",
+            f"  imm round trip: p50 {fmt(same['p50_us'], '.1f')} us, p99 {fmt(same['p99_us'], '.1f')} us "
+            f"(provider path p50 {fmt(lat['fabric_lib_p50_us'], '.1f')} us)",
+        ]
+        for size, gbs in same["throughput"].items():
+            out.append(f"  {format_size(int(size)):>8} {fmt(gbs, '.3f')} GB/s")
     return "\n".join(out)
 
 
@@ -369,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         default="block",
         help="how the fabric-debug client waits for completions and pongs",
     )
+    p.add_argument(
+        "--same-host",
+        action="store_true",
+        help="also run fabric-lib with same-host writes and immediates (process_vm_writev + the peer's "
+        "shared-memory inbox, not the provider) in every round, and report it beside the provider path",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per server/client run")
     p.add_argument("--rebuild", action="store_true", help="run cargo build even if the binary exists")
     p.add_argument(
@@ -389,14 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fabric_bin = fabric_debug_binary(a.rebuild, a.timeout)
         raw_bin = raw_binary(a.timeout)
-        raw_rounds, fab_rounds = [], []
+        raw_rounds, fab_rounds, same_rounds = [], [], []
+        tools = ("baseline", "fabric-lib") + (("same-host",) if a.same_host else ())
         with tempfile.TemporaryDirectory(prefix="bench_transfer.") as tmp:
-            phases = [(i, tool) for i in range(a.rounds) for tool in ("baseline", "fabric-lib")]
+            phases = [(i, tool) for i in range(a.rounds) for tool in tools]
             for _, tool in progress(phases, desc="bench_transfer (baseline and fabric-lib runs)"):
                 if tool == "baseline":
                     raw_rounds.append(run_raw(a, raw_bin, Path(tmp)))
-                else:
+                elif tool == "fabric-lib":
                     fab_rounds.append(run_fabric(a, fabric_bin, Path(tmp)))
+                else:
+                    same_rounds.append(run_fabric(a, fabric_bin, Path(tmp), same_host=True))
     except BenchError as e:
         print(f"bench_transfer: {e}", file=sys.stderr)
         return 1
@@ -404,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _kill_children()
-    cmp = compare(raw_rounds, fab_rounds, sizes, read_sizes)
+    cmp = compare(raw_rounds, fab_rounds, sizes, read_sizes, same_rounds)
     provider = fab_rounds[-1].get("provider", a.provider)
     print(table(cmp, a, provider))
     throughput = {
@@ -427,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": throughput,
         "baseline_rounds": raw_rounds,
         "fabric_lib_rounds": fab_rounds,
+        "same_host_rounds": same_rounds,
     }
     print(file=sys.stderr)
     write_result(a.json_out, "bench_transfer", provider, vars(a), results)

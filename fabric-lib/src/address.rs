@@ -34,6 +34,22 @@ pub struct EngineAddress {
     pub max_message_size: u64,
     /// One address per domain of the device, in domain order.
     pub domains: Vec<DomainAddress>,
+    /// The engine's same-host immediate inbox (`None`: it has none, same-host writers announce
+    /// their immediates over the provider).
+    pub inbox: Option<InboxAddress>,
+}
+
+/// Where a same-host writer finds an engine's immediate inbox (see
+/// `provider::same_host::inbox`): a memfd of the owning process (`EngineAddress::pid`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct InboxAddress {
+    /// The memfd's descriptor number in the owning process (opened as `/proc/<pid>/fd/<fd>`).
+    pub fd: u32,
+    /// A random number in the inbox's header: tells this inbox apart from whatever file a
+    /// reused descriptor number or pid may name later.
+    pub nonce: u64,
+    /// Ring entries (a power of two).
+    pub slots: u32,
 }
 
 impl EngineAddress {
@@ -74,6 +90,12 @@ impl EngineAddress {
         }
         if self.max_message_size == 0 {
             return bad("max_message_size is 0");
+        }
+        if let Some(inbox) = self.inbox {
+            let max = crate::provider::same_host::MAX_INBOX_SLOTS;
+            if !inbox.slots.is_power_of_two() || inbox.slots < 2 || inbox.slots as usize > max {
+                return bad("inbox size is not a power of two in 2..=2^20");
+            }
         }
         Ok(())
     }

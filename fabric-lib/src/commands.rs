@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::Sender;
 
+use crate::address::InboxAddress;
 use crate::completion::Notify;
 use crate::config::GpuRegistration;
 use crate::descriptor::MemoryKind;
@@ -34,14 +35,14 @@ pub(crate) struct Transfer {
     pub on_done: Notify,
 }
 
-/// A validated same-host write where either side is GPU memory (see `provider::same_host`).
+/// A validated same-host write (see `provider::same_host`), or a same-host immediate alone.
 pub(crate) struct SameHostTransfer {
     pub region: u64,
-    pub dst: SameHostDst,
-    pub copy: SameHostCopy,
-    /// The immediate and the destination engine's immediate slots: delivered over the network
-    /// once the copy's event completed (the data is visible by then).
-    pub imm: Option<(u32, Target)>,
+    /// What to copy where (`None`: an immediate-only request).
+    pub write: Option<(SameHostDst, SameHostCopy)>,
+    /// Delivered once the data is visible (the copy's event completed, `process_vm_writev`
+    /// returned): through the peer's inbox, or over the provider.
+    pub imm: Option<SameHostImm>,
     pub on_done: Notify,
 }
 
@@ -71,6 +72,15 @@ pub(crate) struct StagedTransfer {
 
 /// What a landing area looks like to peers: per domain (key, remote base), slots, chunk size.
 pub(crate) type LandingKeys = (Vec<(u64, u64)>, u32, u64);
+/// The immediate of a same-host request and where it goes.
+pub(crate) struct SameHostImm {
+    pub imm: u32,
+    /// The destination engine's immediate slots (the provider path, and the fence).
+    pub target: Target,
+    /// The destination engine's pid, process id and inbox (`None`: it has no inbox).
+    pub inbox: Option<(u32, u64, InboxAddress)>,
+}
+
 /// A validated same-host read where either side is GPU memory: `peer` is the source region,
 /// `region` the local destination; `copy`'s source side is the peer's.
 pub(crate) struct SameHostRead {

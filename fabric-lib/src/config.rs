@@ -152,6 +152,13 @@ pub struct EngineConfig {
     /// How GPU memory is registered with the NIC on FI_HMEM providers (a forced mode is for
     /// tests and for NICs known to need one).
     pub gpu_registration: GpuRegistration,
+    /// Entries of this engine's same-host immediate inbox (a power of two; 0: no inbox, and
+    /// same-host writers announce their immediates over the provider).
+    pub same_host_inbox_slots: usize,
+    /// Also carry host → host writes and immediate-only requests (`submit_imm`,
+    /// `submit_imm_to`) to engines in other processes of this host the same-host way:
+    /// `process_vm_writev` (needs ptrace permission over the peer) and the peer's inbox.
+    pub same_host_host_memory: bool,
     /// Staged transfers of GPU memory where the provider has no FI_HMEM (see `staging`): sizes
     /// of the pinned bounce buffers and landing area. `None` turns staging off (GPU memory then
     /// serves same-host peers only, as with staging unsupported).
@@ -192,6 +199,11 @@ impl EngineConfig {
         }
         if self.queue_depth == 0 || self.queue_depth > MAX_QUEUE_DEPTH {
             return bad(format!("queue_depth must be in 1..={MAX_QUEUE_DEPTH}, got {}", self.queue_depth));
+        }
+        let slots = self.same_host_inbox_slots;
+        let max_slots = crate::provider::same_host::MAX_INBOX_SLOTS;
+        if slots != 0 && (slots < 2 || slots > max_slots || !slots.is_power_of_two()) {
+            return bad(format!("same_host_inbox_slots must be 0 or a power of two in 2..={max_slots}, got {slots}"));
         }
         if self.paged_copy_blocks == 0 || self.paged_copy_blocks > 65_535 {
             return bad(format!("paged_copy_blocks must be in 1..=65535, got {}", self.paged_copy_blocks));
@@ -237,6 +249,8 @@ impl Default for EngineConfig {
             gpu_network: None,
             force_network: false,
             gpu_registration: GpuRegistration::Auto,
+            same_host_inbox_slots: 4096,
+            same_host_host_memory: false,
             staging: Some(crate::staging::StagingConfig::default()),
             stage_host_memory: false,
         }

@@ -197,6 +197,7 @@ mod tests {
             pid: 42,
             process: 7,
             max_message_size: 65536,
+            inbox: Some(crate::address::InboxAddress { fd: 9, nonce: 3, slots: 4096 }),
             domains: vec![
                 DomainAddress { endpoint: vec![1, 2, 3], imm_key: 9, imm_base: 0 },
                 DomainAddress { endpoint: vec![4, 5], imm_key: 10, imm_base: 0 },

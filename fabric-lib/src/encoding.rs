@@ -15,9 +15,10 @@ use crate::error::{FabricError, Result};
 /// 4: writes carry the writer's epoch tag above the immediate in their remote CQ data, and
 ///    re-admission is a handshake of control messages (`epoch`).
 /// 5: descriptors say whether peers may read the region.
-/// 6: GPU descriptors carry the owner's landing area for staged transfers, and control
+/// 6: addresses carry the engine's same-host immediate inbox.
+/// 7: GPU descriptors carry the owner's landing area for staged transfers, and control
 ///    messages carry the staging protocol (requests for slots, chunk announcements, credits).
-pub const ENCODING_VERSION: u16 = 6;
+pub const ENCODING_VERSION: u16 = 7;
 const HEADER_LEN: usize = 10;
 const CHECKSUM_LEN: usize = 4;
 

@@ -11,8 +11,9 @@
 //! and the tag the writer uses from then on. Every delivery of the ended epoch is therefore
 //! either counted before the handshake (and in the report) or dropped after it, never both.
 //!
-//! Same-host GPU writes announce their immediate with a zero-byte write over the provider, so
-//! they carry the tag as well.
+//! Same-host writes carry the tag as well: in the entry they push into the receiver's inbox
+//! (`provider::same_host::inbox`), which the receiver counts through the same filter, or in the
+//! zero-byte write over the provider that announces them where the receiver has no inbox.
 //!
 //! Needs 8 bytes of remote CQ data (`cq_data_size`; tcp, udp;ofi_rxd, shm and sockets in
 //! libfabric 1.17). With 4 (efa, verbs) writes carry the immediate only: the fence and the

@@ -30,7 +30,7 @@ pub mod staging;
 pub mod topology;
 mod worker;
 
-pub use address::{DomainAddress, EngineAddress};
+pub use address::{DomainAddress, EngineAddress, InboxAddress};
 pub use commands::RecvCallback;
 pub use completion::CompletionCounter;
 pub use completion::OnDone;

@@ -22,7 +22,7 @@ use crate::epoch::{PendingReadmit, ReceivedEpochs};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
 use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
-use crate::provider::same_host::{SameHostChannel, SameHostDone, SameHostSrc};
+use crate::provider::same_host::{copy_host_to_host, SameHostChannel, SameHostDone, SameHostSrc};
 use crate::sharding::DeferredImm;
 
 /// Messages copied out and kept while no receive callback is installed. Past this, arriving
@@ -31,6 +31,7 @@ use crate::sharding::DeferredImm;
 const UNDELIVERED_LIMIT: usize = 4096;
 
 mod epochs;
+mod inbox;
 mod reads;
 mod staged;
 mod triggers;
@@ -55,6 +56,10 @@ pub(crate) struct WorkerInfo {
     pub staging: Arc<crate::staging::StagingCounters>,
     /// Every domain can issue and serve RMA reads.
     pub read: bool,
+    /// This engine's same-host immediate inbox, if it has one.
+    pub inbox: Option<crate::address::InboxAddress>,
+    /// Malformed same-host inbox entries refused.
+    pub refused_immediates: Arc<AtomicU64>,
 }
 
 /// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
@@ -81,6 +86,8 @@ struct Request {
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
     /// The peers it writes to or sends to (moved in, not copied): fenced if it times out.
     peers: Vec<Target>,
+    /// A same-host immediate for the peer's inbox, pushed once the data is visible.
+    inbox_imm: Option<inbox::InboxPush>,
 }
 
 #[derive(Clone, Copy)]
@@ -165,6 +172,8 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                         hmem: worker.domains.iter().all(|d| d.domain.has_hmem()),
                         staging: worker.staged.counters.clone(),
                         read: worker.domains.iter().all(|d| d.domain.supports_read()),
+                        inbox: worker.inboxes.address(),
+                        refused_immediates: worker.inboxes.refused.clone(),
                     };
                     let _ = ready_tx.send(Ok(info));
                     // A bug must not leave futures pending forever: whatever happens in the
@@ -247,6 +256,8 @@ struct Worker {
     staged: staged::Staged,
     /// Requests armed to be posted when an immediate count is reached.
     triggers: triggers::Triggers,
+    /// Same-host immediates: this engine's inbox and the peers' it pushes into.
+    inboxes: inbox::Inboxes,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -314,6 +325,7 @@ impl Worker {
             received: ReceivedEpochs::default(),
             staged: staged::Staged::new(config)?,
             triggers: HashMap::new(),
+            inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
             domains,
         })
     }
@@ -349,6 +361,7 @@ impl Worker {
             let busy = !self.outstanding.is_empty()
                 || self.pending.iter().any(|p| p.values().any(|q| !q.is_empty()))
                 || self.same_host.as_ref().is_some_and(|l| l.busy())
+                || self.inboxes.busy()
                 || self.staged.busy();
             match self.poll_mode {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
@@ -445,7 +458,14 @@ impl Worker {
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
         let id = self.next_request;
         self.next_request += 1;
-        let request = Request { remaining: parts, error: None, on_done, deferred: Vec::new(), peers: Vec::new() };
+        let request = Request {
+            remaining: parts,
+            error: None,
+            on_done,
+            deferred: Vec::new(),
+            peers: Vec::new(),
+            inbox_imm: None,
+        };
         self.requests.insert(id, request);
         self.deadlines.push_back((deadline_after(self.transfer_timeout), id));
         id
@@ -564,8 +584,17 @@ impl Worker {
     }
 
     fn start_same_host(&mut self, t: SameHostTransfer) {
-        let SameHostTransfer { region, dst, copy, imm, on_done } = t;
+        let SameHostTransfer { region, write, imm, on_done } = t;
         let id = self.new_request(on_done, 1);
+        if let Some(imm) = imm {
+            if let Some(e) = self.fence_error(std::iter::once(&imm.target)) {
+                return self.fail_request(id, e);
+            }
+            if let Err(e) = self.plan_same_host_imm(id, imm) {
+                return self.fail_request(id, e);
+            }
+        }
+        let Some((dst, copy)) = write else { return self.finish(id, Ok(())) };
         let (ptr, kind) = match self.regions.get(&region) {
             Some(r) => (r.ptr as u64, r.kind),
             None => {
@@ -573,21 +602,9 @@ impl Worker {
                 return self.fail_request(id, e);
             }
         };
-        if let Some((imm, target)) = imm {
-            if let Some(e) = self.fence_error(std::iter::once(&target)) {
-                return self.fail_request(id, e);
-            }
-            let domain = (id as usize % self.domains.len()) as u16;
-            let (key, remote_base) = target.keys[domain as usize];
-            let mut cache = HashMap::new();
-            match self.dest(&mut cache, std::slice::from_ref(&target), 0, domain) {
-                Ok(dest) => {
-                    let d = crate::sharding::DeferredImm { peer: 0, domain, imm };
-                    self.requests.get_mut(&id).expect("just inserted").deferred = vec![(d, dest, key, remote_base)];
-                    self.keep_peers(id, vec![target]);
-                }
-                Err(e) => return self.fail_request(id, e),
-            }
+        if kind == MemoryKind::Host && dst.kind == MemoryKind::Host {
+            let result = copy_host_to_host(ptr, &dst, &copy);
+            return self.finish(id, result);
         }
         if self.same_host.is_none() {
             match SameHostChannel::new(self.paged_copy_blocks) {
@@ -841,6 +858,7 @@ impl Worker {
             }
             self.same_host_done = done;
         }
+        active |= self.poll_inboxes();
         active |= self.progress_staged();
         if !self.imm_batch.is_empty() {
             self.count_imm_batch();
@@ -941,6 +959,7 @@ impl Worker {
         self.purge_pending(request);
         if let Some(req) = self.requests.get_mut(&request) {
             req.deferred.clear();
+            req.inbox_imm = None;
             req.remaining = 1;
         }
         self.finish(request, Err(e));
@@ -956,6 +975,10 @@ impl Worker {
         req.remaining -= 1;
         if req.remaining > 0 {
             return;
+        }
+        if let Some(push) = req.inbox_imm.take().filter(|_| req.error.is_none()) {
+            req.remaining = 1;
+            return self.push_inbox(request, push);
         }
         if req.error.is_none() && !req.deferred.is_empty() {
             let deferred = std::mem::take(&mut req.deferred);

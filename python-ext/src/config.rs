@@ -67,6 +67,8 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
             }
             "gpu_network" => config.gpu_network = Some(value.extract().map_err(wrong)?),
             "force_network" => config.force_network = value.extract().map_err(wrong)?,
+            "same_host_host_memory" => config.same_host_host_memory = value.extract().map_err(wrong)?,
+            "same_host_inbox_slots" => config.same_host_inbox_slots = value.extract().map_err(wrong)?,
             "gpu_registration" => {
                 config.gpu_registration =
                     GpuRegistration::parse(&value.extract::<String>().map_err(wrong)?).map_err(|e| to_pyerr(py, e))?
@@ -121,6 +123,8 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("uvm_watcher_cpu", c.uvm_watcher_cpu)?;
     d.set_item("gpu_network", c.gpu_network)?;
     d.set_item("force_network", c.force_network)?;
+    d.set_item("same_host_host_memory", c.same_host_host_memory)?;
+    d.set_item("same_host_inbox_slots", c.same_host_inbox_slots)?;
     d.set_item("gpu_registration", c.gpu_registration.name())?;
     let sizes = c.staging.unwrap_or_default();
     d.set_item("staging", c.staging.is_some())?;

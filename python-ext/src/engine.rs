@@ -447,6 +447,17 @@ impl PyTransferEngine {
         self.engine.stale_immediates()
     }
 
+    /// Operations and bytes posted on each domain since the engine started: [(ops, bytes)].
+    fn domain_stats(&self) -> Vec<(u64, u64)> {
+        self.engine.domain_stats().iter().map(|s| (s.ops, s.bytes)).collect()
+    }
+
+    /// Malformed entries of the same-host inbox refused (never counted).
+    #[getter]
+    fn refused_immediates(&self) -> u64 {
+        self.engine.refused_immediates()
+    }
+
     /// Consumes `count` arrivals of `imm` if all are there (atomic check-and-take).
     fn try_take_imm_count(&self, imm: u32, count: u64) -> bool {
         self.engine.try_take_imm_count(imm, count)

@@ -44,6 +44,12 @@ impl PyEngineAddress {
         self.0.domains.len()
     }
 
+    /// The engine's same-host immediate inbox as (pid, fd, nonce, slots), or None.
+    #[getter]
+    fn same_host_inbox(&self) -> Option<(u32, u32, u64, u32)> {
+        self.0.inbox.map(|i| (self.0.pid, i.fd, i.nonce, i.slots))
+    }
+
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
         let py = slf.py();
         Ok((slf.getattr("from_bytes")?, (slf.get().to_bytes(py),)))

@@ -260,6 +260,13 @@ class TransferEngine:
             FI_HMEM: "auto" (DMA-BUF where the running libfabric has it, 1.20 or newer, else or
             when refused by address with the CUDA interface), "dmabuf" or "cuda" (only that
             way; a refusal fails the registration) ["auto"]. ``region.registration`` says which.
+        same_host_inbox_slots: entries of this engine's same-host immediate inbox, a power of
+            two (0: none; same-host writers then announce immediates over the provider) [4096].
+        same_host_host_memory: also carry host-to-host writes and ``submit_imm`` to engines
+            of other processes on this host the same-host way:
+            ``process_vm_writev`` (needs ptrace permission over the peer: same user and Yama
+            ``ptrace_scope`` 0, or CAP_SYS_PTRACE) and the peer's inbox, not the provider
+            [False].
         staging: move GPU memory across hosts through registered host memory where the provider
             has no FI_HMEM (tcp, udp;ofi_rxd): a GPU source is copied into pinned bounce buffers,
             a GPU destination receives into this engine's landing area and is copied into place
@@ -284,7 +291,8 @@ class TransferEngine:
     GPU memory (``register_tensor`` of a CUDA tensor) is reached from the same host through CUDA
     IPC: writes where either side is GPU memory and the destination's engine runs on this host
     are copied by CUDA (copy engines for single writes, a 16-block kernel for paged writes); the
-    immediate follows over the provider once the data is visible. Across hosts, GPU memory is
+    immediate follows once the data is visible, through the destination engine's shared-memory
+    inbox (over the provider where it has none or it cannot be opened). Across hosts, GPU memory is
     registered with the NIC where the provider has FI_HMEM (``gpu_network``), and staged through
     host memory otherwise (``staging``; docs/gpu.md); with both unavailable it raises
     ``ProviderUnavailableError`` saying so. CUDA is loaded on first GPU use only.
@@ -313,6 +321,8 @@ class TransferEngine:
         gpu_network: bool | None = None,
         force_network: bool | None = None,
         gpu_registration: Literal["auto", "dmabuf", "cuda"] | None = None,
+        same_host_inbox_slots: int | None = None,
+        same_host_host_memory: bool | None = None,
         staging: bool | None = None,
         staging_chunk_bytes: int | None = None,
         staging_slots: int | None = None,
@@ -343,6 +353,8 @@ class TransferEngine:
             "gpu_network": gpu_network,
             "force_network": force_network,
             "gpu_registration": gpu_registration,
+            "same_host_inbox_slots": same_host_inbox_slots,
+            "same_host_host_memory": same_host_host_memory,
             "staging": staging,
             "staging_chunk_bytes": staging_chunk_bytes,
             "staging_slots": staging_slots,
@@ -976,6 +988,17 @@ class TransferEngine:
         """Immediates refused because a writer's epoch had ended: the writer timed out on its
         requests to this engine and re-admitted it before they were delivered. Never counted."""
         return self._native.stale_immediates
+
+    def domain_stats(self) -> list[tuple[int, int]]:
+        """Operations and bytes posted on each domain (NIC) since the engine started, in domain
+        order, as ``(ops, bytes)``. Same-host copies and inbox immediates post nothing."""
+        return self._native.domain_stats()
+
+    @property
+    def refused_immediates(self) -> int:
+        """Entries of this engine's same-host inbox refused as malformed: a process of this host
+        that can open the inbox wrote something no fabric-lib writer produces. Never counted."""
+        return self._native.refused_immediates
 
     def set_recv_callback(self, callback: Callable[[bytes], None] | None) -> None:
         """Installs the callback receiving every message; messages that arrived earlier are

@@ -37,6 +37,10 @@ pub struct EngineArgs {
     /// `transmit` (source reusable) or `auto` (delivery on tcp and sockets, else transmit).
     #[arg(long, default_value = "auto", value_parser = ["auto", "delivery", "transmit"])]
     pub write_completion: String,
+    /// Carry writes and immediates to a peer of this host the same-host way (`process_vm_writev`
+    /// and the peer's shared-memory inbox) instead of over the provider. Give it to both sides.
+    #[arg(long)]
+    pub same_host_host_memory: bool,
 }
 
 impl EngineArgs {
@@ -105,6 +109,7 @@ impl Endpoint {
             poll_mode: args.poll_mode(),
             worker_cpu: args.worker_cpu,
             write_completion: args.write_completion(),
+            same_host_host_memory: args.same_host_host_memory,
             ..Default::default()
         };
         let wanted = args.provider.as_deref().unwrap_or("<auto>");

@@ -3,7 +3,7 @@ use std::sync::atomic::Ordering;
 
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Command, Target, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, SameHostTransfer, Target, Transfer, SCRATCH_REGION};
 use crate::completion::{Notify, OnDone};
 use crate::descriptor::MrDescriptor;
 use crate::error::{FabricError, Result};
@@ -17,16 +17,29 @@ impl TransferEngine {
         self.command(self.plan_imm(imm, dst, Notify::Callback(on_done))?)
     }
 
-    /// Sends only an immediate to an engine (its immediate slot); no region needed.
+    /// Sends only an immediate to an engine (its immediate slot, or with `same_host_host_memory`
+    /// its same-host inbox); no region needed.
     pub fn submit_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: OnDone) -> Result<()> {
-        let target = self.engine_target(peer)?;
-        self.submit_imm_to_targets(imm, vec![target], on_done)
+        self.command(self.plan_imm_to(imm, peer, Notify::Callback(on_done))?)
     }
 
-    /// Plans an immediate to the owner of `dst` (through the region's keys where it has them).
+    /// Plans an immediate to the owner of `dst` (through the region's keys where it has them and
+    /// the owner is not reached the same-host way).
     pub(super) fn plan_imm(&self, imm: u32, dst: &MrDescriptor, on_done: Notify) -> Result<Command> {
-        let target = if dst.network_reachable() { self.region_target(dst)? } else { self.engine_target(&dst.owner)? };
-        Ok(self.plan_imm_to_targets(imm, vec![target], on_done))
+        if !dst.network_reachable() || self.same_host_imm(&dst.owner) {
+            return self.plan_imm_to(imm, &dst.owner, on_done);
+        }
+        Ok(self.plan_imm_to_targets(imm, vec![self.region_target(dst)?], on_done))
+    }
+
+    /// Plans an immediate to an engine: into its same-host inbox (`same_host_host_memory`), else
+    /// its immediate slot over the provider.
+    pub(super) fn plan_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: Notify) -> Result<Command> {
+        if self.same_host_imm(peer) {
+            let imm = Some(self.same_host_imm_target(imm, peer)?);
+            return Ok(Command::SameHost(SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done }));
+        }
+        Ok(self.plan_imm_to_targets(imm, vec![self.engine_target(peer)?], on_done))
     }
 
     fn submit_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: OnDone) -> Result<()> {

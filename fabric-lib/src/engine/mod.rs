@@ -64,6 +64,7 @@ pub struct TransferEngine {
     worker_exited: Arc<AtomicBool>,
     oversized_messages: Arc<AtomicU64>,
     stale_immediates: Arc<AtomicU64>,
+    refused_immediates: Arc<AtomicU64>,
     regions: RwLock<HashMap<u64, RegionInfo>>,
     next_region: AtomicU64,
     /// Rotates the first domain of successive requests so load spreads over every NIC.
@@ -113,6 +114,7 @@ impl TransferEngine {
                     imm_base: *imm_base,
                 })
                 .collect(),
+            inbox: info.inbox,
         };
         Ok(TransferEngine {
             config,
@@ -123,6 +125,7 @@ impl TransferEngine {
             worker_exited: info.exited.clone(),
             oversized_messages: info.oversized_messages.clone(),
             stale_immediates: info.stale_immediates.clone(),
+            refused_immediates: info.refused_immediates.clone(),
             regions: RwLock::new(HashMap::new()),
             next_region: AtomicU64::new(crate::commands::SCRATCH_REGION + 1),
             next_domain: AtomicUsize::new(0),
@@ -186,6 +189,13 @@ impl TransferEngine {
     /// [`TransferEngine::readmit_peer`]); they were delivered too late to be counted.
     pub fn stale_immediates(&self) -> u64 {
         self.stale_immediates.load(Ordering::Relaxed)
+    }
+
+    /// Entries of this engine's same-host inbox refused as malformed (a slot no writer of this
+    /// library produces, or an impossible epoch tag): some process of this host that can open
+    /// the inbox wrote into it. They are never counted.
+    pub fn refused_immediates(&self) -> u64 {
+        self.refused_immediates.load(Ordering::Relaxed)
     }
 
     /// Whether GPU regions of this engine are registered with the NIC (the provider has

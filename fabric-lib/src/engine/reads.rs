@@ -161,9 +161,10 @@ impl TransferEngine {
     /// The path of a read: the same-host channel when GPU memory is on either side and the
     /// owner shares this host (unless `force_network`), the provider otherwise.
     fn read_route(&self, dst: MrHandle, src: &MrDescriptor) -> Result<Route> {
-        // The routing rules are those of writes, with the peer as the source side; reads are
-        // never staged: GPU memory the NIC cannot reach is read on the same host only.
-        let route = match self.route(dst, src)? {
+        // The routing rules are those of writes, with the peer as the source side (host to host
+        // over the provider whatever `same_host_host_memory` says); reads are never staged: GPU
+        // memory the NIC cannot reach is read on the same host only.
+        let route = match self.route_via(dst, src, false)? {
             Route::Staged(_) => {
                 let local = self.region_info(dst)?;
                 if !local.network || !src.network_reachable() {

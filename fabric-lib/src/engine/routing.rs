@@ -2,7 +2,7 @@
 //! descriptors into worker targets, picks the network or the same-host path, and fences.
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Command, StagedDest, Target};
+use crate::commands::{Command, SameHostImm, StagedDest, Target};
 use crate::descriptor::{MemoryKind, MrDescriptor};
 use crate::engine::MrHandle;
 use crate::epoch::Readmission;
@@ -13,7 +13,8 @@ use crate::provider::same_host::SameHostDst;
 pub(super) enum Route {
     /// Over the libfabric domains.
     Network(Target),
-    /// Same host, GPU memory on either side: CUDA IPC + copy engines / copy kernel.
+    /// Same host, GPU memory on either side: CUDA IPC + copy engines / copy kernel (host memory
+    /// on both sides with `same_host_host_memory`: `process_vm_writev`).
     SameHost(SameHostDst),
     /// Over the libfabric domains through host memory, for GPU memory the NIC cannot reach.
     Staged(StagedRoute),
@@ -56,6 +57,18 @@ impl TransferEngine {
         })
     }
 
+    /// Whether an immediate-only request to `peer` goes into its same-host inbox (with
+    /// `same_host_host_memory`; the worker falls back to the provider if it cannot map it).
+    pub(crate) fn same_host_imm(&self, peer: &EngineAddress) -> bool {
+        self.config.same_host_host_memory && !self.config.force_network && peer.inbox.is_some() && peer.is_same_host()
+    }
+
+    /// The immediate of a same-host request to `peer`: its inbox, with its slots as fallback.
+    pub(crate) fn same_host_imm_target(&self, imm: u32, peer: &EngineAddress) -> Result<SameHostImm> {
+        let target = self.engine_target(peer)?;
+        Ok(SameHostImm { imm, target, inbox: peer.inbox.map(|a| (peer.pid, peer.process, a)) })
+    }
+
     /// Where the worker sends immediates addressed to an engine (its immediate slots).
     pub(crate) fn engine_target(&self, peer: &EngineAddress) -> Result<Target> {
         self.check_peer(peer)?;
@@ -65,13 +78,21 @@ impl TransferEngine {
         })
     }
 
-    /// Picks the path: same-host CUDA when either side is GPU memory and the owner shares this
-    /// host (another process or this one) unless `force_network` is set; the network otherwise,
-    /// which needs GPU memory on either side registered with the NIC (FI_HMEM).
+    /// Picks the path of a write: same-host CUDA when either side is GPU memory and the owner
+    /// shares this host (another process or this one) unless `force_network` is set (host memory
+    /// on both sides too with `same_host_host_memory`); the network otherwise, which needs GPU
+    /// memory on either side registered with the NIC (FI_HMEM).
     pub(super) fn route(&self, src: MrHandle, dst: &MrDescriptor) -> Result<Route> {
+        self.route_via(src, dst, self.config.same_host_host_memory)
+    }
+
+    /// [`TransferEngine::route`], with host memory on both sides taking the same-host path only
+    /// if `host_to_host` (reads between host regions always take the provider).
+    pub(super) fn route_via(&self, src: MrHandle, dst: &MrDescriptor, host_to_host: bool) -> Result<Route> {
         let src = self.region_info(src)?;
         let gpu = src.kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
-        if !gpu || !dst.owner.is_same_host() || self.config.force_network {
+        let same_host_path = gpu || host_to_host;
+        if !same_host_path || !dst.owner.is_same_host() || self.config.force_network {
             if let Some(staged) = self.staged_route(src, dst)? {
                 return Ok(Route::Staged(staged));
             }

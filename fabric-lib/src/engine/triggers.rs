@@ -37,10 +37,9 @@ impl TransferEngine {
         self.arm(when, self.plan_imm(imm, dst, Notify::Callback(on_done))?)
     }
 
-    /// Arms an immediate into `peer`'s immediate slot (as [`TransferEngine::submit_imm_to`]).
+    /// Arms an immediate into `peer`'s immediate slot or inbox (as [`TransferEngine::submit_imm_to`]).
     pub fn arm_imm_to(&self, when: Trigger, imm: u32, peer: &EngineAddress, on_done: OnDone) -> Result<()> {
-        let target = self.engine_target(peer)?;
-        self.arm(when, self.plan_imm_to_targets(imm, vec![target], Notify::Callback(on_done)))
+        self.arm(when, self.plan_imm_to(imm, peer, Notify::Callback(on_done))?)
     }
 
     /// Arms a message to `peer` (as [`TransferEngine::submit_send`]).

@@ -185,10 +185,10 @@ impl TransferEngine {
         on_done: Notify,
     ) -> Result<Command> {
         let imm = match imm {
-            Some(imm) => Some((imm, self.engine_target(&dst.owner)?)),
+            Some(imm) => Some(self.same_host_imm_target(imm, &dst.owner)?),
             None => None,
         };
-        Ok(Command::SameHost(SameHostTransfer { region: src.0, dst: local, copy, imm, on_done }))
+        Ok(Command::SameHost(SameHostTransfer { region: src.0, write: Some((local, copy)), imm, on_done }))
     }
 
     /// Plans a staged write (see `staging`): `pieces` are (source offset, destination offset,

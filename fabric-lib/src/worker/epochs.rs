@@ -149,7 +149,9 @@ impl Worker {
         };
         match decoded {
             Ok(Control::Readmit { nonce, old, reply_to, max_message_size }) => {
-                // Immediates that arrived before the handshake count under the ended epoch.
+                // Immediates that arrived before the handshake count under the ended epoch,
+                // those already in the same-host inbox included.
+                self.drain_own_inbox();
                 if !self.imm_batch.is_empty() {
                     self.count_imm_batch();
                 }

@@ -31,7 +31,7 @@ def quantize_fp8_blocks(x: Any, block: tuple[int, int]) -> tuple[Any, Any]:
 
     For every ``block[0] x block[1]`` block (partial at the ends): ``scale = max(amax, 1e-12) /
     448`` in fp32 and ``q = clamp(x / scale, -448, 448)`` as float8_e4m3fn, so ``q * scale``
-    dequantizes. Returns ``(q, scales)``, scales of shape ``[..., ceil(R/b0), ceil(C/b1)]``."""
+    dequantizes; both divisions are IEEE divisions, so CPU and GPU give the same bytes. Returns ``(q, scales)``, scales of shape ``[..., ceil(R/b0), ceil(C/b1)]``."""
     import torch
 
     if x.dim() < 2:
@@ -44,7 +44,9 @@ def quantize_fp8_blocks(x: Any, block: tuple[int, int]) -> tuple[Any, Any]:
         xf = torch.nn.functional.pad(xf, (0, cb * b1 - cols, 0, rb * b0 - rows))
     blocks = xf.reshape(*lead, rb, b0, cb, b1)
     amax = blocks.abs().amax(dim=(-3, -1))
-    scales = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor: a Python float would make CUDA multiply by its rounded reciprocal while
+    # the CPU divides, and the scales (so every quantized byte) would differ by device.
+    scales = amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
     q = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(*lead, rb * b0, cb * b1)[..., :rows, :cols]
     return q, scales

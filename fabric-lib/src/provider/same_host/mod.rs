@@ -16,22 +16,33 @@
 //!   copy when the peer is this process). Needs ptrace permission over the peer (same user and
 //!   Yama `ptrace_scope` 0, or CAP_SYS_PTRACE).
 //!
+//! - host → host (only with `same_host_host_memory`): the worker writes into the peer with
+//!   `process_vm_writev` itself (`host_copy`), no CUDA involved.
+//!
 //! Reads (a peer region into a local one, GPU memory on either side) mirror these paths; see
 //! `read.rs`.
 //!
 //! Every copy runs on a worker-owned stream per device and ends with an event; the worker polls
 //! those events alongside its completion queues (never a blocking synchronize). Completions of
 //! one device come in submission order.
+//!
+//! Immediates: once the data is visible, the writer pushes the immediate into the destination
+//! engine's shared-memory inbox (`inbox`), or where the peer has none (or it cannot be mapped)
+//! announces it with a zero-byte write over the provider.
 use crate::descriptor::{CudaIpc, MemoryKind};
 use crate::error::Result;
 
 mod channel;
+mod host_copy;
+mod inbox;
 mod process_vm;
 mod read;
 mod to_gpu;
 mod to_host;
 
 pub(crate) use channel::SameHostChannel;
+pub(crate) use host_copy::copy_host_to_host;
+pub(crate) use inbox::{Inbox, PeerInbox, MAX_INBOX_SLOTS};
 
 /// The local side of a same-host write.
 #[derive(Clone, Copy, Debug)]

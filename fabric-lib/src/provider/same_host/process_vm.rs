@@ -1,7 +1,8 @@
 //! Moving bytes between this process and another process's host memory (`process_vm_writev`,
 //! `process_vm_readv`): the last step of a GPU → host same-host write, whose data CUDA staged in
-//! pinned memory of this process, and the first step of a same-host read of a peer's host
-//! memory into GPU memory (read into pinned staging, then copied to the GPU).
+//! pinned memory of this process, the whole of a host → host one (`same_host_host_memory`), and
+//! the first step of a same-host read of a peer's host memory into GPU memory (read into pinned
+//! staging, then copied to the GPU).
 use crate::error::{FabricError, Result};
 
 /// Which way the bytes go.
