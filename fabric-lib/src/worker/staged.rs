@@ -317,12 +317,9 @@ impl Worker {
             .map(|d| self.domains[d].domain.resolve_peer(&target.addresses[d]))
             .collect::<Result<Vec<_>>>()?;
         let landing = match dest {
-            StagedDest::Landing { dst_base, .. } => Some(ToLanding {
+            StagedDest::Landing { dst_base, chunk_bytes, .. } => Some(ToLanding {
                 receiver: dests[0],
-                chunk_bytes: match dest {
-                    StagedDest::Landing { chunk_bytes, .. } => chunk_bytes,
-                    StagedDest::Region => unreachable!(),
-                },
+                chunk_bytes,
                 dst_base,
                 total,
                 imm,
