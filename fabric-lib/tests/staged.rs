@@ -289,8 +289,28 @@ fn a_stopped_receiver_fails_staged_writes_with_a_typed_error_in_time() {
         assert!(Instant::now() < deadline, "the failed staged requests never released their source");
         std::thread::sleep(Duration::from_millis(50));
     }
-    drop(a);
-    drop(b);
+    // The writer survives: staged writes to another receiver go through.
+    let c = engine(true, Duration::from_secs(20));
+    let mut other = vec![0u8; REGION];
+    // SAFETY: the buffers outlive the engines.
+    let (src, _) = unsafe { a.register_memory(src_buf.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    // SAFETY: as above.
+    let (_, dst) = unsafe { c.register_memory(other.as_mut_ptr(), REGION, MemoryKind::Host) }.unwrap();
+    let (tx, rx) = mpsc::channel();
+    let req = WriteRequest {
+        src,
+        src_offset: 0,
+        len: 200_000,
+        dst: &dst,
+        dst_offset: 0,
+        imm: Some(4),
+        domains: DomainChoice::Shard(1),
+    };
+    a.submit_write(&req, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    rx.recv_timeout(BOUND).expect("the survivor serves another receiver").unwrap();
+    c.wait_imm_count(4, 1, BOUND).unwrap();
+    drop((a, b, c));
+    assert_eq!(&other[..200_000], &src_buf[..200_000]);
 }
 
 #[test]
