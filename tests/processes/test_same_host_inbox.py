@@ -364,6 +364,24 @@ def test_a_killed_writer_costs_the_others_nothing() -> None:
         assert survivor.call(posted_ops) == 0
 
 
+@pytest.mark.timeout(120)
+def test_immediates_to_a_killed_receiver_fail_instead_of_landing_in_its_orphaned_inbox() -> None:
+    """The writer's mapping keeps a dead receiver's inbox alive, so a push alone would succeed:
+    the writer checks the owner process first and fails the request (typed), every time."""
+    with peers("tcp", ["rx"]) as (rx,):
+        peer = fabric_lib.EngineAddress.from_bytes(rx.address)
+        with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **WRITER_OPTIONS) as e:
+            for f in [e.submit_imm(51, peer) for _ in range(10)]:
+                f.result(timeout=30)  # the inbox is mapped and used
+            assert rx.call(wait_imms, {51: 10}) == {51: 0}
+            rx.kill()
+            assert rx.join(10) is not None, "the receiver is gone"
+            for _ in range(3):
+                with pytest.raises(fabric_lib.errors.TransferError, match="exited"):
+                    e.submit_imm(52, peer).result(timeout=30)
+            assert _posted(e) == 0, "nothing went over the provider"
+
+
 # -- 4. fallback --------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_a_receiver_without_inbox_gets_immediates_over_the_provider() -> None:

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::Worker;
 use crate::address::InboxAddress;
 use crate::commands::SameHostImm;
-use crate::error::Result;
+use crate::error::{FabricError, Result};
 use crate::provider::same_host::{Inbox, PeerInbox};
 use crate::sharding::DeferredImm;
 
@@ -71,6 +71,21 @@ impl Inboxes {
     }
 }
 
+/// What became of one push.
+enum Pushed {
+    Yes,
+    /// No room (or contended): retried until the request's deadline.
+    Full,
+    /// The receiving process is gone: the request fails now.
+    OwnerExited,
+}
+
+fn owner_exited((process, _): InboxKey) -> FabricError {
+    FabricError::TransferFailed(format!(
+        "the same-host receiver (engine process {process}) exited: its data may have been copied, nothing was counted"
+    ))
+}
+
 impl Worker {
     /// Plans the immediate of a same-host request: into the peer's inbox where it can be mapped,
     /// else a zero-byte write over the provider once the data is visible.
@@ -105,17 +120,21 @@ impl Worker {
         if let Some(queue) = self.inboxes.waiting.get_mut(&push.key) {
             return queue.push_back((request, push));
         }
-        if self.try_push(&push) {
-            self.finish(request, Ok(()));
-        } else {
-            self.inboxes.waiting.entry(push.key).or_default().push_back((request, push));
+        match self.try_push(&push) {
+            Pushed::Yes => self.finish(request, Ok(())),
+            Pushed::Full => self.inboxes.waiting.entry(push.key).or_default().push_back((request, push)),
+            Pushed::OwnerExited => self.finish(request, Err(owner_exited(push.key))),
         }
     }
 
-    fn try_push(&self, push: &InboxPush) -> bool {
+    fn try_push(&self, push: &InboxPush) -> Pushed {
         // The same tag a write over the provider would carry now (`epoch`).
         let tag = self.tags_by_peer.get(&push.peer).copied().unwrap_or(self.own_tag);
-        matches!(self.inboxes.peers.get(&push.key), Some(Some(inbox)) if inbox.push(tag, push.imm))
+        match self.inboxes.peers.get(&push.key) {
+            Some(Some(inbox)) if inbox.owner_exited() => Pushed::OwnerExited,
+            Some(Some(inbox)) if inbox.push(tag, push.imm) => Pushed::Yes,
+            _ => Pushed::Full,
+        }
     }
 
     /// Drains this engine's inbox and retries waiting pushes; true if anything happened.
@@ -144,6 +163,7 @@ impl Worker {
 
     fn retry_pushes(&mut self) -> bool {
         let mut pushed = Vec::new();
+        let mut dead = Vec::new();
         let keys: Vec<InboxKey> = self.inboxes.waiting.keys().copied().collect();
         for key in keys {
             let Some(mut queue) = self.inboxes.waiting.remove(&key) else { continue };
@@ -151,18 +171,23 @@ impl Worker {
                 if !self.requests.contains_key(&request) {
                     continue; // failed or timed out meanwhile: nothing to announce
                 }
-                if self.try_push(&push) {
-                    pushed.push(request);
-                } else {
-                    queue.push_front((request, push));
-                    self.inboxes.waiting.insert(key, queue);
-                    break;
+                match self.try_push(&push) {
+                    Pushed::Yes => pushed.push(request),
+                    Pushed::OwnerExited => dead.push((request, push.key)),
+                    Pushed::Full => {
+                        queue.push_front((request, push));
+                        self.inboxes.waiting.insert(key, queue);
+                        break;
+                    }
                 }
             }
         }
-        let active = !pushed.is_empty();
+        let active = !pushed.is_empty() || !dead.is_empty();
         for request in pushed {
             self.finish(request, Ok(()));
+        }
+        for (request, key) in dead {
+            self.finish(request, Err(owner_exited(key)));
         }
         active
     }

@@ -217,6 +217,9 @@ impl Inbox {
 pub(crate) struct PeerInbox {
     map: Mapping,
     slots: u64,
+    /// The owner process (a pidfd: immune to pid reuse). The mapping keeps the memfd alive after
+    /// its owner died, so a push alone would still succeed; writers ask this first.
+    owner: OwnedFd,
 }
 
 impl PeerInbox {
@@ -256,12 +259,26 @@ impl PeerInbox {
         if seals < 0 || seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) {
             return Err(bad("its size is not sealed".into()));
         }
+        // SAFETY: plain syscall; a non-negative result is a descriptor owned from here on.
+        let owner = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0 as libc::c_long) };
+        if owner < 0 {
+            return Err(bad(format!("no pidfd for its owner: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: just opened.
+        let owner = unsafe { OwnedFd::from_raw_fd(owner as i32) };
         let map = Mapping::map(&fd, len, slots)?;
         let header = [map.word(0), map.word(8), map.word(16)].map(|w| w.load(Ordering::Acquire));
         if header != [MAGIC, address.nonce, slots as u64] {
             return Err(bad("header does not match the address (another engine's, or a stale address)".into()));
         }
-        Ok(PeerInbox { map, slots: slots as u64 })
+        Ok(PeerInbox { map, slots: slots as u64, owner })
+    }
+
+    /// Whether the inbox's owner process has exited (its pidfd became readable).
+    pub fn owner_exited(&self) -> bool {
+        let mut pfd = libc::pollfd { fd: self.owner.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, no wait.
+        unsafe { libc::poll(&mut pfd, 1, 0) > 0 && pfd.revents != 0 }
     }
 
     /// Publishes one entry; false when the ring is full (or contended past reason): retry later.
