@@ -424,7 +424,9 @@ def summarize(
         # model needs the rate on Kimi-K2-sized expert slices, measured on the device here.
         measured["quantize_gbs"] = quantize_rate_large()
         out["quantize_gb_per_s_large"] = measured["quantize_gbs"]
-        print(f"quantizer on 7168 x 2048 bf16 slices (device-synchronized): {measured['quantize_gbs']:.1f} GB/s")
+        print(
+            f"quantizer on 7168 x 2048 bf16 slices (device-synchronized): {measured['quantize_gbs']:.1f} GB/s"
+        )
     rates = {**scale.DEFAULT_RATES, **measured}
     model = scale.run(rates, 64 << 30, 64 << 20)
     print(f"scale model with the measured {sorted(measured)} (others assumed: {scale.DEFAULT_RATES}):")

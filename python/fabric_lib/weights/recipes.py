@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 
+from .errors import ScheduleError
 from .layout import FP8, Placement, SourceParam, TargetParam, grouped, source, target
 
 _FUSED = {
@@ -44,7 +45,7 @@ def dense_transformer(
     groups = [tuple(g) for g in inference_groups]
     tp = {len(g) for g in groups}
     if len(tp) != 1:
-        raise ValueError("every inference instance must have the same TP size")
+        raise ScheduleError("every inference instance must have the same TP size")
     sources = [source(n, s, dtype, trainer_placement(n, tuple(s))) for n, s in named_shapes.items()]
     shard0 = grouped(groups, outer_dim=None, inner="shard", dim=0)
     shard1 = grouped(groups, outer_dim=None, inner="shard", dim=1)
