@@ -21,8 +21,8 @@ layers by default (per-layer numbers are what matter; a full request is 94x the 
 of 4K and 8K tokens by default (16K and 32K with ``--prompts``), a model layer far smaller than
 Qwen3-235B's.
 
-With ``--device cuda`` both caches live on GPU 0 (the decoder is another process on the same
-GPU), the model is bf16 with a per-rank stand-in for a Qwen3-235B TP4 layer (hidden 4096, 16
+With ``--device cuda`` the prefiller's cache lives on GPU 0 and the decoder's (another process)
+on ``--decoder-gpu`` (default 0, the same GPU), the model is bf16 with a per-rank stand-in for a Qwen3-235B TP4 layer (hidden 4096, 16
 query heads and 4 KV heads of dim 128, a dense MLP of 3072 for its 8 active experts of 1536 split
 four ways) and all 94 layers by default. Layers are released from the GPU: after each layer a
 kernel stores to a UVM watcher (``LayerTrigger``), so a layer goes out when the GPU finished it.
@@ -51,7 +51,7 @@ KV_HEADS, HEAD_DIM = 4, 128
 def engine_options(device: str, path: str) -> dict[str, Any]:
     """TransferEngine arguments for a run: tcp, or on a GPU with ``path == "network"`` shm with
     GPU memory registered with the provider and CUDA IPC turned off."""
-    if device == "cuda" and path == "network":
+    if device != "cpu" and path == "network":
         return {"provider": "shm", "gpu_network": True, "force_network": True}
     return {"provider": "tcp"}
 
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             setup_kwargs={
                 "layout_dict": layout.to_dict(),
                 "num_blocks": num_blocks,
-                "device": args.device,
+                "device": f"cuda:{args.decoder_gpu}" if args.device == "cuda" else "cpu",
                 "path": args.path,
             },
             teardown=Decoder.close,
@@ -322,7 +322,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "bench_kv_cache",
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
-        "provider": where.get((args.device, args.path), args.path),
+        "provider": where.get((args.device, args.path), args.path).replace(
+            "GPU 0 -> GPU 0", f"GPU 0 -> GPU {args.decoder_gpu}"
+        ),
         "shape": f"Qwen3-235B TP4 per rank as the issue states: {KV_HEADS} KV heads, head dim {HEAD_DIM}, bf16",
         "layout": args.layout,
         "scaled_down": f"{args.layers} of 94 layers; prompts {args.prompts}; model layer: {model_desc}; "
@@ -343,6 +345,7 @@ def main() -> None:
         help="on a GPU: CUDA IPC, or forced through shm with FI_HMEM (CPU runs use tcp)",
     )
     p.add_argument("--layers", type=int, help="model layers (default: 6 on CPU, 94 on a GPU)")
+    p.add_argument("--decoder-gpu", type=int, default=0, help="the decoder's GPU (the prefiller uses GPU 0)")
     p.add_argument(
         "--prompts", type=ints, default=[4096, 8192], help="prompt lengths in tokens, comma-separated"
     )
