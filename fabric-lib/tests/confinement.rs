@@ -4,34 +4,19 @@
 //!
 //! Each receiver region sits between two guard regions of the same allocation, so a write that
 //! escaped its region by a byte would show in a guard.
+mod common;
+
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fabric_lib::{
-    DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec,
-    TransferEngine, WriteRequest,
-};
+use common::register;
+use fabric_lib::{DomainChoice, FabricError, MrDescriptor, MrHandle, TransferEngine, WriteRequest};
 
 const REGION: usize = 4096;
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 fn engine(provider: &str) -> Option<TransferEngine> {
-    let config = EngineConfig {
-        provider: ProviderSpec::new(Some(provider), &[]),
-        poll_mode: PollMode::ADAPTIVE,
-        transfer_timeout: TIMEOUT,
-        ..Default::default()
-    };
-    match TransferEngine::new(config) {
-        Ok(e) => Some(e),
-        Err(FabricError::ProviderUnavailable(_)) => None,
-        Err(e) => panic!("opening {provider}: {e}"),
-    }
-}
-
-fn register(e: &TransferEngine, buf: &mut [u8]) -> (MrHandle, MrDescriptor) {
-    // SAFETY: every buffer outlives the engines of its test (they are dropped first).
-    unsafe { e.register_memory(buf.as_mut_ptr(), buf.len(), MemoryKind::Host) }.unwrap()
+    common::engine_if_available(provider, TIMEOUT)
 }
 
 /// Writes `len` bytes with immediate `imm` and waits for the writer's outcome.

@@ -1,14 +1,14 @@
 //! Faults from the application's side: unregister racing writes, stop with work queued,
 //! message floods before anyone listens, messages over the receiver's limit. Every request must
 //! settle (ok or a typed error) within its bound and nothing may be lost silently.
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use fabric_lib::{
-    DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec,
-    TransferEngine, WriteRequest,
-};
+use common::register;
+use fabric_lib::{DomainChoice, EngineConfig, FabricError, PollMode, ProviderSpec, TransferEngine, WriteRequest};
 
 fn engine_with(provider: &str, f: impl FnOnce(&mut EngineConfig)) -> TransferEngine {
     let mut config = EngineConfig {
@@ -19,11 +19,6 @@ fn engine_with(provider: &str, f: impl FnOnce(&mut EngineConfig)) -> TransferEng
     };
     f(&mut config);
     TransferEngine::new(config).unwrap_or_else(|e| panic!("opening {provider}: {e}"))
-}
-
-fn register(e: &TransferEngine, buf: &mut [u8]) -> (MrHandle, MrDescriptor) {
-    // SAFETY: every buffer outlives the engines of its test (they are dropped first).
-    unsafe { e.register_memory(buf.as_mut_ptr(), buf.len(), MemoryKind::Host) }.unwrap()
 }
 
 /// Six threads submit writes from their own region and try to unregister it while the writes

@@ -4,6 +4,8 @@
 //!
 //! Each peer region sits between two guard regions of the same allocation filled with a marker,
 //! so a read that escaped its region by a byte would bring the marker home.
+mod common;
+
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -18,17 +20,7 @@ const GUARD: u8 = 0x5A;
 const PROVIDERS: [&str; 4] = ["tcp", "udp;ofi_rxd", "shm", "sockets"];
 
 fn engine(provider: &str) -> Option<TransferEngine> {
-    let config = EngineConfig {
-        provider: ProviderSpec::new(Some(provider), &[]),
-        poll_mode: PollMode::ADAPTIVE,
-        transfer_timeout: TIMEOUT,
-        ..Default::default()
-    };
-    match TransferEngine::new(config) {
-        Ok(e) => Some(e),
-        Err(FabricError::ProviderUnavailable(_)) => None,
-        Err(e) => panic!("opening {provider}: {e}"),
-    }
+    common::engine_if_available(provider, TIMEOUT)
 }
 
 fn register(e: &TransferEngine, buf: &mut [u8], remote_read: bool) -> (MrHandle, MrDescriptor) {

@@ -1,35 +1,20 @@
 //! Triggered requests (`arm_write`, `arm_imm`, `arm_send`): posted by the worker once an
 //! immediate count is reached, byte- and count-exact over every loopback provider, including
 //! `udp;ofi_rxd`, whose deliveries arrive in any order.
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use fabric_lib::{
-    DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec,
-    TransferEngine, Trigger, WriteRequest,
-};
+use common::register;
+use fabric_lib::{DomainChoice, FabricError, MrDescriptor, MrHandle, TransferEngine, Trigger, WriteRequest};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 const PROVIDERS: [&str; 3] = ["tcp", "udp;ofi_rxd", "shm"];
 
 fn engine(provider: &str) -> Option<TransferEngine> {
-    let config = EngineConfig {
-        provider: ProviderSpec::new(Some(provider), &[]),
-        poll_mode: PollMode::ADAPTIVE,
-        transfer_timeout: TIMEOUT,
-        ..Default::default()
-    };
-    match TransferEngine::new(config) {
-        Ok(e) => Some(e),
-        Err(FabricError::ProviderUnavailable(_)) => None,
-        Err(e) => panic!("opening {provider}: {e}"),
-    }
-}
-
-fn register(e: &TransferEngine, buf: &mut [u8]) -> (MrHandle, MrDescriptor) {
-    // SAFETY: every buffer outlives the engines of its test (they are dropped first).
-    unsafe { e.register_memory(buf.as_mut_ptr(), buf.len(), MemoryKind::Host) }.unwrap()
+    common::engine_if_available(provider, TIMEOUT)
 }
 
 fn when(imm: u32, count: u64) -> Trigger {
