@@ -59,6 +59,22 @@ pub fn split_bytes(len: u64, n_domains: usize, k: usize, start: usize, min_shard
     out
 }
 
+/// The (source offset, destination offset, length) runs of a paged write: consecutive pages
+/// that are adjacent on both sides (a fresh request's blocks often are) become one run of at
+/// most `max_run` bytes, so the provider posts one write instead of one per page.
+pub fn page_runs(pages: impl IntoIterator<Item = (u64, u64)>, page_len: u64, max_run: u64) -> Vec<(u64, u64, u64)> {
+    let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+    for (src, dst) in pages {
+        match runs.last_mut() {
+            Some((s, d, len)) if *s + *len == src && *d + *len == dst && *len + page_len <= max_run => {
+                *len += page_len;
+            }
+            _ => runs.push((src, dst, page_len)),
+        }
+    }
+    runs
+}
+
 /// Moves each target's immediate onto its data when that target has exactly one shard, and
 /// returns the immediates that must be sent after all data was delivered.
 pub fn plan_imms(shards: &mut [Shard], imm_per_peer: &[Option<u32>]) -> Vec<DeferredImm> {
@@ -87,6 +103,24 @@ pub fn plan_imms(shards: &mut [Shard], imm_per_peer: &[Option<u32>]) -> Vec<Defe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn page_runs_merge_only_pages_adjacent_on_both_sides() {
+        // 0,1,2 adjacent on both sides; 3 adjacent in the source only; 5 starts again.
+        let pages = [(0, 100), (10, 110), (20, 120), (30, 200), (50, 210)];
+        assert_eq!(page_runs(pages, 10, 1 << 20), vec![(0, 100, 30), (30, 200, 10), (50, 210, 10)]);
+        // runs are cut at max_run
+        let adjacent = (0..5).map(|i| (i * 10, 1000 + i * 10));
+        assert_eq!(page_runs(adjacent, 10, 20), vec![(0, 1000, 20), (20, 1020, 20), (40, 1040, 10)]);
+        // a page repeated is not adjacent to itself
+        assert_eq!(page_runs([(0, 0), (0, 0)], 10, 100), vec![(0, 0, 10), (0, 0, 10)]);
+        // runs cover exactly the pages' bytes
+        let pages: Vec<(u64, u64)> = [3u64, 4, 5, 9, 10, 2].iter().map(|&p| (p * 8, (p + 1) * 8)).collect();
+        let runs = page_runs(pages.iter().copied(), 8, 1 << 20);
+        let covered: Vec<(u64, u64)> =
+            runs.iter().flat_map(|&(s, d, len)| (0..len / 8).map(move |k| (s + 8 * k, d + 8 * k))).collect();
+        assert_eq!(covered, pages);
+    }
 
     fn total(pieces: &[(usize, u64, u64)]) -> u64 {
         pieces.iter().map(|p| p.2).sum()

@@ -13,7 +13,10 @@ use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::provider::same_host::{Pages, SameHostCopy, SameHostDst};
 use crate::requests::{PagedWriteRequest, WriteRequest};
-use crate::sharding::{plan_imms, split_bytes, DomainChoice, Shard};
+use crate::sharding::{page_runs, plan_imms, split_bytes, DomainChoice, Shard};
+
+/// The longest write that pages adjacent on both sides are merged into on one domain.
+const MAX_PAGE_RUN: u64 = 16 << 20;
 
 impl TransferEngine {
     /// Posts one write; `on_done` runs on the callback thread once every part completed (or
@@ -138,18 +141,22 @@ impl TransferEngine {
             }
         };
         let n = self.num_domains();
-        let start = self.rotate(req.src_pages.len());
-        let mut shards: Vec<Shard> = req
-            .src_pages
-            .iter()
-            .zip(req.dst_pages)
+        let pages = req.src_pages.iter().zip(req.dst_pages).map(|(&s, &d)| {
+            (u64::from(s) * req.src_stride + req.src_offset, u64::from(d) * req.dst_stride + req.dst_offset)
+        });
+        // With several domains, runs stay small enough to spread over them.
+        let max_run = if n > 1 { self.config().shard_min_bytes } else { MAX_PAGE_RUN }.max(req.page_len);
+        let runs = page_runs(pages, req.page_len, max_run);
+        let start = self.rotate(runs.len());
+        let mut shards: Vec<Shard> = runs
+            .into_iter()
             .enumerate()
-            .map(|(i, (&s, &d))| Shard {
+            .map(|(i, (src_offset, dst_offset, len))| Shard {
                 peer: 0,
                 domain: ((start + i) % n) as u16,
-                src_offset: u64::from(s) * req.src_stride + req.src_offset,
-                len: req.page_len,
-                dst_offset: u64::from(d) * req.dst_stride + req.dst_offset,
+                src_offset,
+                len,
+                dst_offset,
                 imm: None,
             })
             .collect();
