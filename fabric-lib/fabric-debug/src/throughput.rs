@@ -1,5 +1,6 @@
 //! Bandwidth and operation-rate tests: many single writes (each with an immediate) kept
 //! `window` deep in flight, timed from the first post to the last local completion.
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_lib::{CompletionCounter, DomainChoice, MrDescriptor, MrHandle, TransferEngine, WriteRequest};
@@ -35,39 +36,54 @@ impl Target<'_> {
     /// Posts `writes` writes of `size` bytes, at most `window` in flight; returns the elapsed
     /// time from the first post to the last completion. Offsets cycle through both buffers.
     pub fn timed_writes(&self, size: u64, writes: u64, window: u64, imm: u32) -> Result<Duration> {
+        self.windowed("write", size, writes, window, |src_offset, dst_offset, counter| {
+            let req = WriteRequest {
+                src: self.src,
+                src_offset,
+                len: size,
+                dst: self.dst,
+                dst_offset,
+                imm: Some(imm),
+                domains: DomainChoice::Shard(usize::MAX),
+            };
+            self.engine.submit_write_counted(&req, counter)
+        })
+    }
+
+    /// Runs `n` operations of `size` bytes, at most `window` in flight, timed from the first
+    /// post to the last completion. `post(local offset, server offset, counter)` posts one;
+    /// offsets cycle through both buffers. Completions are counted by the worker itself (no
+    /// callback-thread hop per operation).
+    pub(crate) fn windowed(
+        &self,
+        what: &str,
+        size: u64,
+        n: u64,
+        window: u64,
+        mut post: impl FnMut(u64, u64, &Arc<CompletionCounter>) -> fabric_lib::Result<()>,
+    ) -> Result<Duration> {
         if size > self.src_len || size > self.dst.len {
             bail!(
-                "write size {} exceeds the source buffer ({}) or the server's buffer ({})",
+                "{what} size {} exceeds the local buffer ({}) or the server's buffer ({})",
                 format_size(size),
                 format_size(self.src_len),
                 format_size(self.dst.len)
             );
         }
-        let src_slots = self.src_len / size;
-        let dst_slots = self.dst.len / size;
-        // Completions are counted by the worker itself (no callback-thread hop per write).
+        let local_slots = self.src_len / size;
+        let remote_slots = self.dst.len / size;
         let counter = CompletionCounter::new();
         let window = window.max(1);
         let start = Instant::now();
-        for i in 0..writes {
+        for i in 0..n {
             if i >= window {
                 counter.wait_for(i - window + 1, self.stall).context("waiting for the window")?;
                 check_counter(&counter)?;
             }
-            let req = WriteRequest {
-                src: self.src,
-                src_offset: (i % src_slots) * size,
-                len: size,
-                dst: self.dst,
-                dst_offset: (i % dst_slots) * size,
-                imm: Some(imm),
-                domains: DomainChoice::Shard(usize::MAX),
-            };
-            self.engine
-                .submit_write_counted(&req, &counter)
-                .with_context(|| format!("posting write {i} of {writes} ({} bytes)", size))?;
+            post((i % local_slots) * size, (i % remote_slots) * size, &counter)
+                .with_context(|| format!("posting {what} {i} of {n} ({size} bytes)"))?;
         }
-        counter.wait_for(writes, self.stall).with_context(|| format!("waiting for {writes} completions"))?;
+        counter.wait_for(n, self.stall).with_context(|| format!("waiting for {n} {what} completions"))?;
         check_counter(&counter)?;
         Ok(start.elapsed())
     }
