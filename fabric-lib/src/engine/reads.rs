@@ -16,7 +16,7 @@ use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::provider::same_host::{Pages, SameHostCopy};
 use crate::requests::{PagedReadRequest, ReadRequest};
-use crate::sharding::{split_bytes, DomainChoice, Shard};
+use crate::sharding::Shard;
 
 impl TransferEngine {
     /// Reads `req.len` bytes of a peer region into a local one; `on_done` runs on the callback
@@ -36,12 +36,7 @@ impl TransferEngine {
         let local = self.read_checks(req.dst, req.src)?;
         check_range("destination", local.len, req.dst_offset, req.len)?;
         check_range("source", req.src.len, req.src_offset, req.len)?;
-        let n = self.num_domains();
-        if let DomainChoice::Pinned(d) = req.domains {
-            if d >= n {
-                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")));
-            }
-        }
+        self.check_domain(req.domains)?;
         let target = match self.read_route(req.dst, req.src)? {
             Route::Network(t) => t,
             Route::Staged(_) => unreachable!("read_route never returns a staged route"),
@@ -56,11 +51,7 @@ impl TransferEngine {
                 }));
             }
         };
-        let pieces = match req.domains {
-            _ if req.len == 0 => Vec::new(),
-            DomainChoice::Pinned(d) => vec![(d, 0, req.len)],
-            DomainChoice::Shard(k) => split_bytes(req.len, n, k, self.rotate(1), self.config().shard_min_bytes),
-        };
+        let pieces = if req.len == 0 { Vec::new() } else { self.domain_pieces(req.len, req.domains) };
         let shards = pieces
             .into_iter()
             .map(|(domain, off, len)| Shard {

@@ -35,17 +35,34 @@ impl TransferEngine {
         self.command(self.plan_write(req, on_done)?)
     }
 
+    /// Refuses a pinned domain this engine does not have.
+    pub(super) fn check_domain(&self, choice: DomainChoice) -> Result<()> {
+        let n = self.num_domains();
+        match choice {
+            DomainChoice::Pinned(d) if d >= n => {
+                Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The (domain, offset, length) pieces of one contiguous transfer of `len` bytes (a checked
+    /// `choice`): the pinned domain, or shards over the engine's domains.
+    pub(super) fn domain_pieces(&self, len: u64, choice: DomainChoice) -> Vec<(usize, u64, u64)> {
+        match choice {
+            DomainChoice::Pinned(d) => vec![(d, 0, len)],
+            DomainChoice::Shard(k) => {
+                split_bytes(len, self.num_domains(), k, self.rotate(1), self.config().shard_min_bytes)
+            }
+        }
+    }
+
     /// Checks and plans a write into the command that carries it (posted now, or armed).
     pub(super) fn plan_write(&self, req: &WriteRequest<'_>, on_done: Notify) -> Result<Command> {
         check_range("source", self.region_len(req.src)?, req.src_offset, req.len)?;
         let route = self.route(req.src, req.dst)?;
         req.dst.check_range(req.dst_offset, req.len)?;
-        let n = self.num_domains();
-        if let DomainChoice::Pinned(d) = req.domains {
-            if d >= n {
-                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")));
-            }
-        }
+        self.check_domain(req.domains)?;
         let target = match route {
             Route::Network(t) => t,
             Route::SameHost(local) => {
@@ -58,14 +75,8 @@ impl TransferEngine {
                 return self.plan_staged(req.src, req.dst, staged, pieces, req.imm, on_done);
             }
         };
-        let pieces = match req.domains {
-            DomainChoice::Pinned(d) if d >= n => {
-                return Err(FabricError::InvalidArgument(format!("domain {d} out of range: this engine has {n}")))
-            }
-            DomainChoice::Pinned(d) => vec![(d, 0, req.len)],
-            DomainChoice::Shard(k) => split_bytes(req.len, n, k, self.rotate(1), self.config().shard_min_bytes),
-        };
-        let mut shards: Vec<Shard> = pieces
+        let mut shards: Vec<Shard> = self
+            .domain_pieces(req.len, req.domains)
             .into_iter()
             .map(|(domain, off, len)| Shard {
                 peer: 0,
