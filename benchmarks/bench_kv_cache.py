@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_kv_cache [--device cpu|cuda] [--path same-host|network]
                                         [--layers N] [--prompts 4096,8192] [--block-sizes 16,128]
-                                        [--layout hnd] [--json-out PATH]
+                                        [--layout hnd] [--block-order contiguous|shuffled]
+                                        [--json-out PATH]
 
 Per-rank cache shape of Qwen3-235B at TP4 as the issue states it (4 KV heads per rank, head dim
 128, bf16; 2 KiB of K+V per token per layer). The prefiller (this process) and the decoder (a
@@ -29,7 +30,12 @@ kernel stores to a UVM watcher (``LayerTrigger``), so a layer goes out when the 
 Per-layer compute comes from CUDA events. ``--path same-host`` moves pages by CUDA IPC;
 ``--path network`` forces them through ``shm`` with FI_HMEM (the CUDA-enabled libfabric of
 ``scripts/build_libfabric.sh`` on ``LD_LIBRARY_PATH``), every byte through the provider as
-between two hosts. Results go to ``bench-results/bench_kv_cache[_<device>_<path>].json``.
+between two hosts.
+
+``--block-order shuffled`` draws each request's blocks at random from a pool twice the size a
+request needs, independently on both sides (a fragmented block pool: pages adjacent on both sides,
+which the engine merges into one write, become rare); ``contiguous`` (default) uses blocks
+``0..n`` on both sides. Results go to ``bench-results/bench_kv_cache[_<device>_<path>].json``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -139,8 +146,20 @@ def _page_kv(layout: Any, cache: Any, blocks: Any, k: Any, v: Any) -> None:
     cache[blocks] = kv.permute(2, 0, 3, 1, 4) if layout.kind == "nhd" else kv.permute(2, 0, 1, 3, 4)
 
 
+def _block_ids(order: str, needed: int, pool: int, rng: random.Random) -> list[int]:
+    """A request's block ids: ``0..needed`` or a random sample of the pool."""
+    return list(range(needed)) if order == "contiguous" else rng.sample(range(pool), needed)
+
+
 def _pipelined(
-    model: Any, sender: Any, layout: Any, caches: list[Any], rid: str, n: int, device: str
+    model: Any,
+    sender: Any,
+    layout: Any,
+    caches: list[Any],
+    rid: str,
+    block_ids: list[int],
+    n: int,
+    device: str,
 ) -> tuple[float, list[float], list[float]]:
     """Prefills ``n`` tokens; after each layer its K/V are paged into the cache and the layer is
     released (on CPU by the hook, on a GPU by a kernel storing to a UVM watcher); the last
@@ -151,7 +170,7 @@ def _pipelined(
     from transformers import DynamicCache
 
     gpu = device == "cuda"
-    blocks = torch.arange(layout.blocks_for(n), device=device)
+    blocks = torch.tensor(block_ids, device=device)
     cache = DynamicCache()
     fwd = sender.begin_forward({rid: n})
     trigger = None
@@ -226,7 +245,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for bs in args.block_sizes:
         layout = KvLayout(args.layout, args.layers, bs, KV_HEADS, HEAD_DIM, "bfloat16")
-        num_blocks = layout.blocks_for(max(args.prompts))
+        pool = layout.blocks_for(max(args.prompts))
+        num_blocks = pool if args.block_order == "contiguous" else 2 * pool
+        rng = random.Random(bs)
         ranks = spawn_ranks(
             1,
             setup=Decoder,
@@ -255,13 +276,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             decoder.call(connect, engine.main_address.to_bytes())  # the decoder joins the prefiller
             for n in args.prompts:
                 nb = layout.blocks_for(n)
-                blocks = list(range(nb))
                 page_bytes = layout.page_bytes(1)
                 # 1. transfer only
-                decoder.call(ask, f"t{bs}-{n}", blocks, n, 0)
+                d_blocks = _block_ids(args.block_order, nb, num_blocks, rng)
+                p_blocks = _block_ids(args.block_order, nb, num_blocks, rng)
+                decoder.call(ask, f"t{bs}-{n}", d_blocks, n, 0)
                 done = decoder.submit(completed_at, f"t{bs}-{n}")
                 time.sleep(0.05)  # the REQUEST reaches the prefiller
-                sender.add_request(f"t{bs}-{n}", blocks, n)
+                sender.add_request(f"t{bs}-{n}", p_blocks, n)
                 t0 = time.monotonic()
                 fwd = sender.begin_forward({f"t{bs}-{n}": n})
                 for layer in range(args.layers):
@@ -273,15 +295,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rid = f"p{bs}-{n}"
                 hidden = model.config.hidden_size
                 hidden_bytes = hidden * (2 if args.device == "cuda" else 4)
-                decoder.call(ask, rid, blocks, n, hidden_bytes)
+                d_blocks = _block_ids(args.block_order, nb, num_blocks, rng)
+                p_blocks = _block_ids(args.block_order, nb, num_blocks, rng)
+                decoder.call(ask, rid, d_blocks, n, hidden_bytes)
                 done = decoder.submit(completed_at, rid)
                 time.sleep(0.05)
-                sender.add_request(rid, blocks, n)
-                t_last, compute, page_s = _pipelined(model, sender, layout, caches, rid, n, args.device)
+                sender.add_request(rid, p_blocks, n)
+                t_last, compute, page_s = _pipelined(
+                    model, sender, layout, caches, rid, p_blocks, n, args.device
+                )
                 t_decoded = done.result(300)
                 per_layer_compute = sum(compute[1:]) / max(1, len(compute) - 1)
                 row = {
                     "block_size": bs,
+                    "block_order": args.block_order,
                     "prompt_tokens": n,
                     "layers": args.layers,
                     "pages_per_layer": nb,
@@ -351,6 +378,12 @@ def main() -> None:
     )
     p.add_argument("--block-sizes", type=ints, default=[16, 128], help="tokens per KV block, comma-separated")
     p.add_argument("--layout", choices=["nhd", "hnd"], default="hnd", help="paged-cache layout")
+    p.add_argument(
+        "--block-order",
+        choices=["contiguous", "shuffled"],
+        default="contiguous",
+        help="block ids 0..n on both sides, or drawn at random from a pool twice that size",
+    )
     p.add_argument("--json-out", type=Path, help="result file (default under bench-results/)")
     args = p.parse_args()
     if args.device == "cpu" and args.path == "network":
@@ -359,6 +392,7 @@ def main() -> None:
         args.layers = 94 if args.device == "cuda" else 6
     if args.json_out is None:
         tail = "" if args.device == "cpu" else f"_{args.device}_{args.path.replace('-', '_')}"
+        tail += "" if args.block_order == "contiguous" else "_shuffled"
         args.json_out = REPO / "bench-results" / f"bench_kv_cache{tail}.json"
     result = run(args)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,11 @@ and the immediates' trip through the receiver's shared-memory inbox). Measured i
   against the peer copy of the same bytes;
 - UVM watcher callback latency: a kernel waits on a GPU flag, then stores to a watcher; the CPU
   sets the flag and times until the Python callback ran, on the callback thread and with
-  ``inline=True`` on the watcher thread (``fabric-debug watcher`` measures a Rust reaction). Also reported: the same round trip
-  with the CPU spinning on the word itself (no watcher thread, no callback), which bounds the
+  ``inline=True`` on the watcher thread. The headline figure chains the rounds (each callback
+  sets the flag for the next one, so only the callback's thread runs Python); also reported with
+  the main thread setting the flag and blocking on a condition (its Python between the two holds
+  the GIL, which a callback arriving early must wait for). ``fabric-debug watcher`` measures a
+  Rust reaction. Also reported: the same round trip with the CPU spinning on the word itself (no watcher thread, no callback), which bounds the
   part that is GPU signalling rather than watcher (published: 6.2 / 12.6 us p50/p99 in Rust,
   9.3 us p50 in Python).
 
@@ -169,16 +172,46 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _watcher_chain(stream, flag, watcher_ptr: int, first: int, n: int, stamps: list[int], done) -> None:
+    """Queues ``n`` rounds (kernel waits for the flag, then stores to the watcher word); the
+    caller's callback arms the next round by setting the flag, so no other thread needs the GIL
+    while a round is in flight."""
+    for i in range(n):
+        stream.flag_poll(flag.ptr, first + i, timeout=10.0, slot=(first + i) % 1024)
+        stream.write_u64(watcher_ptr, first + i)
+    time.sleep(0.002)
+    flag.set(first)  # the first round; the callback starts the others
+    if not done.wait(timeout=30):
+        raise RuntimeError(f"watcher chain stalled after {len(stamps)} callbacks")
+    assert stream.synchronize(30)
+
+
 def bench_watcher(engine, device: int, iterations: int, chunk: int = 200, inline: bool = False) -> dict:
     """Flag set by the CPU -> kernel sees it -> kernel stores i to the word -> seen on the CPU.
-    ``inline``: the Python callback runs on the watcher thread (no hand-off)."""
+    ``inline``: the Python callback runs on the watcher thread (no hand-off).
+
+    Two ways to drive it: the main thread sets the flag and blocks on a condition until the
+    callback ran (the window between the two holds the GIL, which the callback then waits for),
+    and a chain in which each callback sets the flag for the next round (only the callback's
+    thread runs Python, so this is the callback's own latency)."""
     stream = fcuda.SignalStream(device)
     flag = engine.alloc_gpu_flag(device)
     stamps: dict[int, int] = {}
     cv = threading.Condition()
+    chain: list[int] = []
+    chain_end = [0]
+    chain_done = threading.Event()
+    mode = ["main"]
 
     def cb(old: int, new: int) -> None:
         t = time.perf_counter_ns()
+        if mode[0] == "chain":
+            chain.append(t)
+            if new < chain_end[0]:
+                flag.set(new + 1)
+            else:
+                chain_done.set()
+            return
         with cv:
             stamps[new] = t
             cv.notify()
@@ -187,19 +220,30 @@ def bench_watcher(engine, device: int, iterations: int, chunk: int = 200, inline
     direct = engine.alloc_gpu_flag(device)  # a plain word the CPU spins on (no watcher)
     via_watcher: list[float] = []
     spin: list[float] = []
+    chained: list[float] = []
     value = 0
-    for mode in ("spin", "watcher"):
+    for m in ("spin", "main", "chain"):
+        mode[0] = m
         done = 0
         while done < iterations:
             n = min(chunk, iterations - done)
-            target = watcher.ptr if mode == "watcher" else direct.ptr
+            if m == "chain":
+                chain.clear()
+                chain_done.clear()
+                chain_end[0] = value + n
+                _watcher_chain(stream, flag, watcher.ptr, value + 1, n, chain, chain_done)
+                chained += [(b - a) / 1e3 for a, b in zip(chain, chain[1:])]
+                value += n
+                done += n
+                continue
+            target = watcher.ptr if m == "main" else direct.ptr
             for i in range(n):
                 stream.flag_poll(flag.ptr, value + i + 1, timeout=10.0, slot=(value + i) % 1024)
                 stream.write_u64(target, value + i + 1)
             time.sleep(0.002)
             for i in range(n):
                 v = value + i + 1
-                if mode == "spin":
+                if m == "spin":
                     t0 = time.perf_counter_ns()
                     flag.set(v)
                     while direct.get() != v:
@@ -217,17 +261,19 @@ def bench_watcher(engine, device: int, iterations: int, chunk: int = 200, inline
             done += n
     watcher.close()
     drop = min(50, iterations // 10)
-    via_watcher, spin = via_watcher[drop:], spin[drop:]
+    via_watcher, spin, chained = via_watcher[drop:], spin[drop:], chained[drop:]
     return {
         "kind": "uvm_watcher_inline" if inline else "uvm_watcher",
-        "iterations": len(via_watcher),
-        "callback_rtt_p50_us": statistics.median(via_watcher),
-        "callback_rtt_p99_us": _pct(via_watcher, 0.99),
+        "iterations": len(chained),
+        "callback_rtt_p50_us": statistics.median(chained),
+        "callback_rtt_p99_us": _pct(chained, 0.99),
+        "main_thread_rtt_p50_us": statistics.median(via_watcher),
+        "main_thread_rtt_p99_us": _pct(via_watcher, 0.99),
         "spin_rtt_p50_us": statistics.median(spin),
         "spin_rtt_p99_us": _pct(spin, 0.99),
         # CPU->GPU->CPU round trip minus the CPU->GPU half (~ half the spin round trip).
-        "callback_latency_est_p50_us": statistics.median(via_watcher) - statistics.median(spin) / 2,
-        "callback_latency_est_p99_us": _pct(via_watcher, 0.99) - statistics.median(spin) / 2,
+        "callback_latency_est_p50_us": statistics.median(chained) - statistics.median(spin) / 2,
+        "callback_latency_est_p99_us": _pct(chained, 0.99) - statistics.median(spin) / 2,
         "published_p50_us": 6.2,
         "published_p99_us": 12.6,
         "published_python_p50_us": 9.3,
@@ -298,7 +344,9 @@ def main() -> None:
         where = "watcher thread" if wrow["kind"].endswith("inline") else "callback thread"
         print(
             f"UVM watcher (Python callback on the {where}): CPU flag -> GPU -> watcher -> callback round trip p50 "
-            f"{wrow['callback_rtt_p50_us']:.1f} us, p99 {wrow['callback_rtt_p99_us']:.1f} us; CPU spinning on the "
+            f"{wrow['callback_rtt_p50_us']:.1f} us, p99 {wrow['callback_rtt_p99_us']:.1f} us (callbacks chained; "
+            f"driven by the main thread: p50 {wrow['main_thread_rtt_p50_us']:.1f} us, p99 "
+            f"{wrow['main_thread_rtt_p99_us']:.1f} us); CPU spinning on the "
             f"word itself: p50 {wrow['spin_rtt_p50_us']:.1f} us, p99 {wrow['spin_rtt_p99_us']:.1f} us; estimated "
             f"GPU-write -> callback p50 {wrow['callback_latency_est_p50_us']:.1f} us, p99 "
             f"{wrow['callback_latency_est_p99_us']:.1f} us (published 6.2 / 12.6 us Rust, 9.3 us p50 Python)"
