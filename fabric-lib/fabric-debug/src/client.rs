@@ -53,9 +53,9 @@ pub fn run(args: &ClientArgs) -> Result<Output> {
     }
     let placements = Placement::for_run(args.gpus.as_ref());
     if args.gpus.is_none() {
-        return session(args, 0, &placements).map(Output::Host);
+        return session(args, 0, &placements).map(|r| Output::Host(Box::new(r)));
     }
-    run_pairs(args, &placements).map(|reports| Output::Gpus(GpuRunReport::new(reports)))
+    run_pairs(args, &placements).map(|reports| Output::Gpus(Box::new(GpuRunReport::new(reports))))
 }
 
 /// Runs one session per placement, all at once; every one must succeed.

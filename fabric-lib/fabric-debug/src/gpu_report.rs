@@ -52,8 +52,8 @@ pub struct GpuRunReport {
 #[derive(Serialize, Debug, Clone)]
 #[serde(untagged)]
 pub enum Output {
-    Host(Report),
-    Gpus(GpuRunReport),
+    Host(Box<Report>),
+    Gpus(Box<GpuRunReport>),
 }
 
 impl Output {
