@@ -18,6 +18,10 @@ const MAX_FRAME: u32 = 1 << 20;
 #[derive(Serialize, Deserialize, Debug)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Control {
+    /// The client's first message on a connection: it pairs with the server's engine `engine`
+    /// (GPU `i` with GPU `i`) of the `engines` the client runs. The server answers with that
+    /// engine's `Hello`, or a failed `Reply` (no such engine, taken, or a different count).
+    Attach { engine: usize, engines: usize },
     /// An engine's address and one registered region, as hex of their versioned bytes.
     Hello { address: String, descriptor: String },
     /// Server: wait for `count` arrivals of `imm`, then one of `fence`, then answer with a
@@ -27,7 +31,8 @@ pub enum Control {
     Echo { ping: u32, pong: u32, count: u64 },
     /// Server: acknowledge and end the session.
     Done,
-    /// The server's answer to `Expect` (over the fabric), `Echo` and `Done` (over TCP).
+    /// The server's answer to `Expect` (over the fabric), `Echo` and `Done` (over TCP), and its
+    /// refusal of an `Attach`.
     Reply { ok: bool, message: String },
 }
 
@@ -37,10 +42,12 @@ impl Control {
         Control::Hello { address: address.to_hex(), descriptor: hex::encode(descriptor.to_bytes()) }
     }
 
-    /// Decodes a `Hello`; anything else, or undecodable bytes, is an error.
+    /// Decodes a `Hello`; a refusal, anything else, or undecodable bytes, is an error.
     pub fn into_peer(self) -> Result<(EngineAddress, MrDescriptor)> {
-        let Control::Hello { address, descriptor } = self else {
-            bail!("expected the peer's hello, got {self:?}");
+        let (address, descriptor) = match self {
+            Control::Hello { address, descriptor } => (address, descriptor),
+            Control::Reply { ok: false, message } => bail!("the server refused: {message}"),
+            other => bail!("expected the peer's hello, got {other:?}"),
         };
         let address = EngineAddress::from_hex(&address).context("decoding the peer's engine address")?;
         let bytes = hex::decode(descriptor.trim()).context("decoding the peer's descriptor hex")?;

@@ -1,20 +1,25 @@
 //! The client side: connects to a server, then runs the throughput, op-rate and round-trip
-//! tests against the server's buffer and has the server verify every immediate it sent.
+//! tests against the server's buffer and has the server verify every immediate it sent. With
+//! GPUs, one engine per GPU runs the tests against the server's engine of the same index, all
+//! pairs at once, each on its own bootstrap connection.
 use std::sync::mpsc;
 use std::time::Duration;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 
 use crate::bootstrap::{Channel, Control};
 use crate::endpoint::{Endpoint, EngineArgs};
-use crate::error::{Context, Result};
+use crate::error::{Context, Error, Result};
+use crate::gpu_buffers::{peer_registration_name, reads_supported, write_path, MemoryReport};
+use crate::gpu_list::{GpuList, Placement};
+use crate::gpu_report::{GpuRunReport, Output};
 use crate::latency::RoundTrips;
 use crate::progress::Progress;
 use crate::report::{Report, VerifiedPhase};
 use crate::run_info::RunHeader;
+use crate::test_args::{Test, TestArgs};
 use crate::throughput::{writes_for, Shape, Target};
-use crate::tracker::{Tracker, WaitKind};
-use crate::units::size_arg;
+use crate::tracker::Tracker;
 
 /// Immediate values of the phases (distinct, so the server counts each phase on its own).
 const IMM_THROUGHPUT: u32 = 1;
@@ -24,109 +29,66 @@ const IMM_PAGED: u32 = 6;
 const IMM_PING: u32 = 4;
 const IMM_PONG: u32 = 5;
 
-/// The tests a client can run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Test {
-    Throughput,
-    Oprate,
-    Rtt,
-    /// Paged-write sweep (`--page-sizes` × `--page-counts`).
-    Paged,
-    /// Single-read throughput per `--read-sizes` (`--window` reads in flight).
-    Read,
-}
-
 /// `fabric-debug client` options.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct ClientArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// GPUs whose memory holds the send buffers, e.g. `0,1`: one engine per GPU, engine `i`
+    /// writes into the server's engine `i` (give the server the same number of GPUs).
+    #[arg(long, value_name = "GPUS")]
+    pub gpus: Option<GpuList>,
     /// Server's bootstrap address.
     #[arg(long)]
     pub connect: String,
-    /// Write sizes of the throughput test.
-    #[arg(long, value_delimiter = ',', value_parser = size_arg,
-          default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB")]
-    pub sizes: Vec<u64>,
-    /// Read sizes of the read test.
-    #[arg(long, value_delimiter = ',', value_parser = size_arg, default_value = "4KiB,64KiB,1MiB,16MiB")]
-    pub read_sizes: Vec<u64>,
-    /// Writes (and reads) kept in flight in the throughput (and read) test.
-    #[arg(long, default_value_t = 16)]
-    pub window: u64,
-    /// Bytes moved per timed repetition of each size (at least two windows of writes).
-    #[arg(long, default_value = "512MiB", value_parser = size_arg)]
-    pub bytes_per_rep: u64,
-    /// Timed repetitions per measurement (the median is reported).
-    #[arg(long, default_value_t = 5)]
-    pub reps: u64,
-    /// Size of the op-rate test's writes.
-    #[arg(long, default_value = "64", value_parser = size_arg)]
-    pub op_size: u64,
-    /// Writes kept in flight in the op-rate test.
-    #[arg(long, default_value_t = 64)]
-    pub op_window: u64,
-    /// Writes per repetition of the op-rate test.
-    #[arg(long, default_value_t = 200_000)]
-    pub ops: u64,
-    /// Measured round trips of the latency test.
-    #[arg(long, default_value_t = 10_000)]
-    pub iters: u64,
-    /// Unmeasured round trips before them.
-    #[arg(long, default_value_t = 1_000)]
-    pub warmup_iters: u64,
-    /// How the client waits for completions and pongs.
-    #[arg(long, value_enum, default_value = "block")]
-    pub wait: WaitKind,
-    /// Page sizes of the paged test.
-    #[arg(long, value_delimiter = ',', value_parser = size_arg,
-          default_value = "1KiB,2KiB,4KiB,8KiB,16KiB,32KiB,64KiB")]
-    pub page_sizes: Vec<u64>,
-    /// Pages per request of the paged test.
-    #[arg(long, value_delimiter = ',', default_value = "100,10000")]
-    pub page_counts: Vec<u64>,
-    /// Tests to run.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "throughput,oprate,rtt")]
-    pub tests: Vec<Test>,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
-    /// Do not report progress on stderr.
-    #[arg(long)]
-    pub quiet: bool,
-    /// Seconds to keep retrying the connection to the server.
-    #[arg(long, default_value_t = 30)]
-    pub connect_timeout: u64,
-    /// Seconds without any completion (or answer) before a test is declared stuck.
-    #[arg(long, default_value_t = 60)]
-    pub stall_timeout: u64,
+    #[command(flatten)]
+    pub tests: TestArgs,
 }
 
-/// How many progress steps the selected tests make.
-fn phase_count(args: &ClientArgs) -> usize {
-    let mut n = 0;
-    if args.tests.contains(&Test::Throughput) {
-        n += args.sizes.len();
+/// Runs the selected tests, on one engine per GPU where GPUs are listed (all at once).
+pub fn run(args: &ClientArgs) -> Result<Output> {
+    args.tests.validate()?;
+    if let Some(list) = &args.gpus {
+        crate::gpu_buffers::check_gpus(list)?;
     }
-    if args.tests.contains(&Test::Paged) {
-        n += args.page_sizes.len() * args.page_counts.len();
+    let placements = Placement::for_run(args.gpus.as_ref());
+    if args.gpus.is_none() {
+        return session(args, 0, &placements).map(|r| Output::Host(Box::new(r)));
     }
-    if args.tests.contains(&Test::Read) {
-        n += args.read_sizes.len();
-    }
-    n + usize::from(args.tests.contains(&Test::Oprate)) + usize::from(args.tests.contains(&Test::Rtt))
+    run_pairs(args, &placements).map(|reports| Output::Gpus(Box::new(GpuRunReport::new(reports))))
 }
 
-/// Runs the selected tests and returns what they measured.
-pub fn run(args: &ClientArgs) -> Result<Report> {
-    if args.window == 0 || args.op_window == 0 || args.reps == 0 || args.ops == 0 || args.iters == 0 {
-        crate::bail!("--window, --op-window, --reps, --ops and --iters must be positive");
+/// Runs one session per placement, all at once; every one must succeed.
+pub(crate) fn run_pairs(args: &ClientArgs, placements: &[Placement]) -> Result<Vec<Report>> {
+    let results: Vec<Result<Report>> = std::thread::scope(|s| {
+        let sessions: Vec<_> = (0..placements.len()).map(|i| s.spawn(move || session(args, i, placements))).collect();
+        sessions.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error("a session panicked".into())))).collect()
+    });
+    let mut reports = Vec::new();
+    let mut failures = Vec::new();
+    for (i, (result, placement)) in results.into_iter().zip(placements).enumerate() {
+        match result {
+            Ok(r) => reports.push(r),
+            Err(e) => failures.push(format!("engine {i} ({}): {e}", placement.name())),
+        }
     }
-    let stall = Duration::from_secs(args.stall_timeout);
-    let largest = args.sizes.iter().chain(&args.read_sizes).copied().chain([args.op_size, 4096]).max().unwrap_or(4096);
-    let ep = Endpoint::open(&args.engine, largest as usize, false)?;
-    let mut ch = Channel::connect(&args.connect, Duration::from_secs(args.connect_timeout), stall)?;
-    let (_, server_mr) = ch.recv()?.into_peer().context("server hello")?;
+    if !failures.is_empty() {
+        crate::bail!("{}", failures.join("; "));
+    }
+    Ok(reports)
+}
+
+/// One engine's session: engine `index` of `placements` against the server's engine `index`.
+fn session(args: &ClientArgs, index: usize, placements: &[Placement]) -> Result<Report> {
+    let tests = &args.tests;
+    let placement = placements[index];
+    let stall = Duration::from_secs(tests.stall_timeout);
+    let largest =
+        tests.sizes.iter().chain(&tests.read_sizes).copied().chain([tests.op_size, 4096]).max().unwrap_or(4096);
+    let ep = Endpoint::open(&args.engine, placement, largest as usize, false)?;
+    let mut ch = Channel::connect(&args.connect, Duration::from_secs(tests.connect_timeout), stall)?;
+    ch.send(&Control::Attach { engine: index, engines: placements.len() })?;
+    let (_, server_mr) = ch.recv()?.into_peer().with_context(|| format!("server hello for engine {index}"))?;
     ch.send(&Control::hello(ep.engine.main_address(), &ep.descriptor))?;
     let (msg_tx, msg_rx) = mpsc::channel::<Vec<u8>>();
     ep.engine
@@ -135,25 +97,41 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         })))
         .context("installing the receive callback")?;
 
+    let client_registration = ep.registration()?;
+    let path = write_path(&ep.engine, ep.descriptor.kind, &client_registration, &server_mr);
+    let staged_before = ep.engine.staging_stats();
     let target = Target { engine: &ep.engine, src: ep.handle, src_len: ep.len, dst: &server_mr, stall };
     let mut report = Report {
         header: RunHeader::collect(ep.engine.provider()),
         provider: ep.engine.provider().to_string(),
         domain: ep.engine.domain_names().join(","),
         poll_mode: args.engine.poll_mode_name(),
-        wait: args.wait.name(),
-        reps: args.reps,
+        wait: tests.wait.name(),
+        reps: tests.reps,
+        memory: MemoryReport {
+            client_buffer: placement.name(),
+            server_buffer: match server_mr.kind {
+                fabric_lib::MemoryKind::Host => "host".into(),
+                fabric_lib::MemoryKind::Cuda(g) => format!("cuda:{g}"),
+            },
+            client_registration,
+            server_registration: peer_registration_name(&server_mr).into(),
+            path: path.into(),
+            staged_requests: 0,
+            bounced_bytes: 0,
+        },
         throughput: Vec::new(),
         read_throughput: Vec::new(),
         paged: Vec::new(),
         op_rate: None,
         rtt: None,
         verified: Vec::new(),
+        skipped: Vec::new(),
     };
     // Ask the server to confirm `count` arrivals of `imm`; its verdict comes over the fabric.
     let mut verify = |phase: &str, imm: u32, count: u64, report: &mut Report| -> Result<()> {
         ch.send(&Control::Expect { imm, count, fence: IMM_FENCE })?;
-        let tracker = Tracker::new(args.wait);
+        let tracker = Tracker::new(tests.wait);
         ep.engine.submit_imm(IMM_FENCE, &server_mr, tracker.callback()).context("posting the fence")?;
         tracker.wait_all(1, stall)?;
         let bytes = msg_rx.recv_timeout(stall).with_context(|| format!("waiting for the server's {phase} verdict"))?;
@@ -162,45 +140,55 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
         Ok(())
     };
 
-    let mut progress = Progress::new(phase_count(args), args.quiet);
-    if args.tests.contains(&Test::Throughput) {
+    let label = if placements.len() > 1 || args.gpus.is_some() { placement.name() } else { String::new() };
+    let skip_reads = tests.has(Test::Read) && !reads_supported(path);
+    let phases = tests.phase_count() - if skip_reads { tests.read_sizes.len() } else { 0 };
+    let mut progress = Progress::new(phases, tests.quiet, label);
+    if tests.has(Test::Throughput) {
         let mut posted = 0;
-        for &size in &args.sizes {
+        for &size in &tests.sizes {
             progress.step(&format!("throughput {}", crate::units::format_size(size)));
-            let writes = writes_for(size, args.bytes_per_rep, args.window);
-            let shape = Shape { size, writes, window: args.window, reps: args.reps, imm: IMM_THROUGHPUT };
+            let writes = writes_for(size, tests.bytes_per_rep, tests.window);
+            let shape = Shape { size, writes, window: tests.window, reps: tests.reps, imm: IMM_THROUGHPUT };
             let (result, n) = target.throughput(shape)?;
             report.throughput.push(result);
             posted += n;
         }
         verify("throughput", IMM_THROUGHPUT, posted, &mut report)?;
     }
-    if args.tests.contains(&Test::Read) {
-        for &size in &args.read_sizes {
+    if skip_reads {
+        report.skipped.push("read: reads are not staged (the provider has no FI_HMEM for this GPU memory)".into());
+    } else if tests.has(Test::Read) {
+        for &size in &tests.read_sizes {
             progress.step(&format!("read throughput {}", crate::units::format_size(size)));
-            let reads = writes_for(size, args.bytes_per_rep, args.window);
-            let shape = Shape { size, writes: reads, window: args.window, reps: args.reps, imm: 0 };
+            let reads = writes_for(size, tests.bytes_per_rep, tests.window);
+            let shape = Shape { size, writes: reads, window: tests.window, reps: tests.reps, imm: 0 };
             report.read_throughput.push(target.read_throughput(shape)?);
         }
     }
-    if args.tests.contains(&Test::Paged) {
+    if tests.has(Test::Paged) {
         let (results, posted) =
-            target.paged_sweep(&args.page_sizes, &args.page_counts, args.reps, IMM_PAGED, &mut progress)?;
+            target.paged_sweep(&tests.page_sizes, &tests.page_counts, tests.reps, IMM_PAGED, &mut progress)?;
         report.paged = results;
         verify("paged", IMM_PAGED, posted, &mut report)?;
     }
-    if args.tests.contains(&Test::Oprate) {
-        progress.step(&format!("op rate, {} writes", crate::units::format_size(args.op_size)));
-        let shape =
-            Shape { size: args.op_size, writes: args.ops, window: args.op_window, reps: args.reps, imm: IMM_OP_RATE };
+    if tests.has(Test::Oprate) {
+        progress.step(&format!("op rate, {} writes", crate::units::format_size(tests.op_size)));
+        let shape = Shape {
+            size: tests.op_size,
+            writes: tests.ops,
+            window: tests.op_window,
+            reps: tests.reps,
+            imm: IMM_OP_RATE,
+        };
         let (mut result, posted) = target.op_rate(shape)?;
         verify("op-rate", IMM_OP_RATE, posted, &mut report)?;
         result.verified = true;
         report.op_rate = Some(result);
     }
-    if args.tests.contains(&Test::Rtt) {
+    if tests.has(Test::Rtt) {
         progress.step("immediate round trips");
-        let count = args.warmup_iters + args.iters;
+        let count = tests.warmup_iters + tests.iters;
         ch.send(&Control::Echo { ping: IMM_PING, pong: IMM_PONG, count })?;
         ch.recv()?.into_ok("arming the echo")?;
         let rtt = RoundTrips {
@@ -208,14 +196,17 @@ pub fn run(args: &ClientArgs) -> Result<Report> {
             dst: &server_mr,
             ping: IMM_PING,
             pong: IMM_PONG,
-            warmup: args.warmup_iters,
-            iters: args.iters,
-            wait: args.wait,
+            warmup: tests.warmup_iters,
+            iters: tests.iters,
+            wait: tests.wait,
             timeout: stall,
         };
         report.rtt = Some(rtt.run()?);
     }
     ch.send(&Control::Done)?;
     ch.recv()?.into_ok("ending the session")?;
+    let staged = ep.engine.staging_stats();
+    report.memory.staged_requests = staged.requests_sent - staged_before.requests_sent;
+    report.memory.bounced_bytes = staged.bounced_bytes - staged_before.bounced_bytes;
     Ok(report)
 }

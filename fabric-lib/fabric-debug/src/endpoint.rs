@@ -1,13 +1,14 @@
-//! Opening an engine from command-line options and registering the one buffer each side uses.
+//! Opening an engine from command-line options and registering the one buffer each side uses,
+//! in host memory or on the engine's GPU.
 use std::sync::Arc;
 
 use clap::Args;
 use fabric_lib::{
-    EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, RegisterOptions, TransferEngine,
-    WriteCompletion,
+    EngineConfig, MrDescriptor, MrHandle, PollMode, ProviderSpec, RegisterOptions, TransferEngine, WriteCompletion,
 };
 
 use crate::error::{Context, Result};
+use crate::gpu_list::Placement;
 
 /// Engine options shared by the server and the client.
 #[derive(Args, Debug, Clone)]
@@ -41,11 +42,17 @@ pub struct EngineArgs {
     /// and the peer's shared-memory inbox) instead of over the provider. Give it to both sides.
     #[arg(long)]
     pub same_host_host_memory: bool,
+    /// Send transfers involving GPU memory over the provider even to a peer on this host (as
+    /// two hosts would) instead of CUDA IPC: tests and benchmarks of the network path on one
+    /// machine. Give it to both sides.
+    #[arg(long)]
+    pub force_network: bool,
 }
 
 impl EngineArgs {
-    /// The domain names to open, from `--domain` or `--domains N`.
-    pub fn domain_names(&self) -> Result<Vec<String>> {
+    /// The domain names to open, from `--domain` or `--domains N`: for an engine on a GPU, the
+    /// NICs nearest that GPU first, then the host's others.
+    pub fn domain_names(&self, placement: Placement) -> Result<Vec<String>> {
         let Some(n) = self.domain_count.filter(|_| self.domains.is_empty()) else {
             return Ok(self.domains.clone());
         };
@@ -53,10 +60,22 @@ impl EngineArgs {
         if self.provider.as_deref().is_none_or(is_software) {
             return Ok(vec![SOFTWARE_DEFAULT_DOMAIN.to_string(); n]);
         }
-        let nics = fabric_lib::topology::detect(std::path::Path::new("/"))
-            .device("host")
-            .map(|d| d.nics.clone())
-            .unwrap_or_default();
+        let topology = fabric_lib::topology::detect(std::path::Path::new("/"));
+        let mut nics = match placement {
+            Placement::Host => Vec::new(),
+            Placement::Gpu(gpu) => {
+                let bus_id = cuda_lib::Device::get(gpu as usize).and_then(|d| d.pci_bus_id()).unwrap_or_default();
+                let near = topology.devices.iter().find(|t| {
+                    t.pci.as_ref().is_some_and(|p| !bus_id.is_empty() && p.bus_id.eq_ignore_ascii_case(&bus_id))
+                });
+                near.map(|t| t.nics.clone()).unwrap_or_default()
+            }
+        };
+        for nic in topology.device("host").map(|d| d.nics.clone()).unwrap_or_default() {
+            if !nics.contains(&nic) {
+                nics.push(nic);
+            }
+        }
         if nics.len() < n {
             crate::bail!("--domains {n}: the topology lists only {} NICs ({})", nics.len(), nics.join(", "));
         }
@@ -98,30 +117,39 @@ pub struct Endpoint {
     pub handle: MrHandle,
     pub descriptor: MrDescriptor,
     pub len: u64,
+    pub placement: Placement,
 }
 
 impl Endpoint {
-    /// Opens the engine the options describe and registers a `len`-byte buffer (touched, so no
-    /// page faults land inside a measurement); `remote_read`: peers may read it.
-    pub fn open(args: &EngineArgs, len: usize, remote_read: bool) -> Result<Self> {
+    /// Opens the engine the options describe and registers a `len`-byte buffer where
+    /// `placement` says (filled, so no page faults land inside a measurement); `remote_read`:
+    /// peers may read it. An engine on a GPU asks for FI_HMEM, so providers that have it
+    /// register GPU memory with the NIC; the others stage it (the engine decides).
+    pub fn open(args: &EngineArgs, placement: Placement, len: usize, remote_read: bool) -> Result<Self> {
         let config = EngineConfig {
-            provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain_names()? },
+            provider: ProviderSpec { provider: args.provider.clone(), domains: args.domain_names(placement)? },
             poll_mode: args.poll_mode(),
             worker_cpu: args.worker_cpu,
             write_completion: args.write_completion(),
             same_host_host_memory: args.same_host_host_memory,
+            gpu_network: (placement != Placement::Host).then_some(true),
+            force_network: args.force_network,
             ..Default::default()
         };
         let wanted = args.provider.as_deref().unwrap_or("<auto>");
         let engine = TransferEngine::new(config).with_context(|| format!("opening provider '{wanted}'"))?;
-        let buffer: &'static mut [u8] = Box::leak(vec![0x5au8; len.max(1)].into_boxed_slice());
+        let buffer = crate::gpu_buffers::allocate(placement, len)?;
         let options = RegisterOptions { remote_read };
         // SAFETY: the buffer is leaked, so it stays allocated for the rest of the process and
         // therefore until the engine has unregistered it (or stopped).
-        let (handle, descriptor) =
-            unsafe { engine.register_memory_with(buffer.as_mut_ptr(), buffer.len(), MemoryKind::Host, options) }
-                .with_context(|| format!("registering a {len}-byte buffer"))?;
-        Ok(Endpoint { engine: Arc::new(engine), handle, descriptor, len: len as u64 })
+        let (handle, descriptor) = unsafe { engine.register_memory_with(buffer.ptr, buffer.len, buffer.kind, options) }
+            .with_context(|| format!("registering a {len}-byte buffer in {} memory", placement.name()))?;
+        Ok(Endpoint { engine: Arc::new(engine), handle, descriptor, len: len as u64, placement })
+    }
+
+    /// How this endpoint's buffer is registered (see [`crate::gpu_buffers::registration_name`]).
+    pub fn registration(&self) -> Result<String> {
+        crate::gpu_buffers::registration_name(&self.engine, self.handle, &self.descriptor)
     }
 }
 

@@ -12,8 +12,9 @@ use serde::Serialize;
 /// Options of the GPU report.
 #[derive(Args, Debug, Clone)]
 pub struct GpusArgs {
-    /// List GPUs, their PCI bus ids and nearest NICs, and whether each provider can register
-    /// their memory (FI_HMEM, DMA-BUF); "no GPU" on machines without CUDA.
+    /// Alone: list GPUs, their PCI bus ids and nearest NICs, and whether each provider can
+    /// register their memory (FI_HMEM, DMA-BUF); "no GPU" on machines without CUDA. (GPU
+    /// buffers: `server --gpus 0,1`, `client --gpus 0,1`, or the positional form.)
     #[arg(long)]
     pub gpus: bool,
     /// Providers to check with `--gpus`, comma-separated or repeated (default: every provider
@@ -22,7 +23,7 @@ pub struct GpusArgs {
     pub providers: Vec<String>,
     /// Print the GPU report as one JSON object.
     #[arg(long = "gpu-json", requires = "gpus")]
-    pub json: bool,
+    pub gpu_json: bool,
 }
 
 /// One provider, opened asking for FI_HMEM.

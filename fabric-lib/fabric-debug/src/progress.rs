@@ -8,11 +8,14 @@ pub struct Progress {
     done: usize,
     started: Instant,
     quiet: bool,
+    /// Which engine's phases these are (`cuda:0 `; empty for the one host-memory engine).
+    label: String,
 }
 
 impl Progress {
-    pub fn new(total: usize, quiet: bool) -> Self {
-        Self { total, done: 0, started: Instant::now(), quiet }
+    pub fn new(total: usize, quiet: bool, label: String) -> Self {
+        let label = if label.is_empty() { label } else { format!("{label} ") };
+        Self { total, done: 0, started: Instant::now(), quiet, label }
     }
 
     /// Announces the next phase.
@@ -20,7 +23,10 @@ impl Progress {
         self.done += 1;
         if !self.quiet {
             let elapsed = self.started.elapsed().as_secs_f64();
-            eprintln!("fabric-debug client: [{}/{}] {what} ({elapsed:.1} s elapsed)", self.done, self.total);
+            eprintln!(
+                "fabric-debug client: {}[{}/{}] {what} ({elapsed:.1} s elapsed)",
+                self.label, self.done, self.total
+            );
         }
     }
 }

@@ -64,6 +64,8 @@ pub struct Report {
     /// How the client waited for completions (`block` or `spin`).
     pub wait: &'static str,
     pub reps: u64,
+    /// Where the buffers live, how they are registered and the path writes take.
+    pub memory: crate::gpu_buffers::MemoryReport,
     pub throughput: Vec<Throughput>,
     /// Single-read throughput per size (`writes_per_rep` counts reads).
     pub read_throughput: Vec<Throughput>,
@@ -72,6 +74,8 @@ pub struct Report {
     pub rtt: Option<Latency>,
     /// The phases whose immediates the server verified.
     pub verified: Vec<VerifiedPhase>,
+    /// Selected tests that cannot run on this path, and why.
+    pub skipped: Vec<String>,
 }
 
 /// Median of `v` (empty: 0).
@@ -105,6 +109,15 @@ impl Report {
             self.header.host,
             self.header.cpu_count
         );
+        let m = &self.memory;
+        out += &format!(
+            "memory: client {} ({}) -> server {} ({}), path {}",
+            m.client_buffer, m.client_registration, m.server_buffer, m.server_registration, m.path
+        );
+        if m.staged_requests > 0 {
+            out += &format!(", {} staged requests, {} bounced", m.staged_requests, format_size(m.bounced_bytes));
+        }
+        out += "\n";
         if !self.throughput.is_empty() {
             out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "size", "window", "writes", "GB/s", "Gbps");
             for t in &self.throughput {
@@ -166,6 +179,9 @@ impl Report {
         }
         for v in &self.verified {
             out += &format!("server counted all {} immediates of the {} phase\n", v.immediates, v.phase);
+        }
+        for s in &self.skipped {
+            out += &format!("skipped {s}\n");
         }
         out
     }
