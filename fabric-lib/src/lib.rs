@@ -22,6 +22,7 @@ pub mod error;
 pub mod gpu;
 mod host_memory;
 pub mod imm_counter;
+mod joined;
 mod msg_buffers;
 pub mod provider;
 mod requests;

@@ -1,15 +1,26 @@
 //! Scatter: a different slice of one local region to each of several peers.
+//!
+//! Each target takes the path a single write of its slice would take. Targets over the
+//! provider (host memory, GPU memory registered with the NIC) go out as one worker request;
+//! a target that is staged (GPU memory the NIC cannot reach) or same-host (GPU memory, CUDA IPC)
+//! is planned exactly like a single write of its slice, as its own worker request. The caller's
+//! completion then runs once, after every part reported ([`Joined`]). Either way each target's
+//! receiver counts `imm` once, after all of that target's bytes are in place.
+use super::routing::Route;
 use super::{MrHandle, TransferEngine};
-use crate::commands::Transfer;
+use crate::commands::{Command, Target, Transfer};
 use crate::completion::{Notify, OnDone};
-use crate::descriptor::{check_range, MemoryKind};
+use crate::descriptor::check_range;
 use crate::error::{FabricError, Result};
+use crate::joined::Joined;
+use crate::provider::same_host::SameHostCopy;
 use crate::requests::{PeerGroup, ScatterSharding, ScatterTarget};
 use crate::sharding::{plan_imms, split_bytes, Shard};
 
 impl TransferEngine {
     /// Writes a different slice of one local region to each target; each target's receiver
-    /// counts `imm` once. With a `group`, every target must belong to it.
+    /// counts `imm` once. With a `group`, every target must belong to it. Every target is
+    /// checked before anything is posted.
     pub fn submit_scatter(
         &self,
         group: Option<PeerGroup>,
@@ -23,16 +34,8 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("scatter with no targets".into()));
         }
         let src_len = self.region_len(src)?;
-        if self.region_kind(src)? != MemoryKind::Host || targets.iter().any(|t| t.dst.kind != MemoryKind::Host) {
-            return Err(FabricError::InvalidArgument(
-                "submit_scatter does not support GPU memory yet; use one submit_write per target".into(),
-            ));
-        }
         let members = group.map(|g| self.group(g)).transpose()?;
-        let n = self.num_domains();
-        let start = self.rotate(targets.len());
-        let mut resolved = Vec::with_capacity(targets.len());
-        let mut shards = Vec::with_capacity(targets.len());
+        let mut routes = Vec::with_capacity(targets.len());
         for (p, t) in targets.iter().enumerate() {
             check_range("source", src_len, t.src_offset, t.len)?;
             t.dst.check_range(t.dst_offset, t.len)?;
@@ -43,7 +46,95 @@ impl TransferEngine {
                     )));
                 }
             }
-            resolved.push(self.region_target(t.dst)?);
+            // Host memory on both sides takes the provider (a scatter never uses
+            // `same_host_host_memory`).
+            routes.push(self.route_via(src, t.dst, false)?);
+        }
+        if routes.iter().all(|r| matches!(r, Route::Network(_))) {
+            let network = targets.iter().zip(routes).filter_map(|(t, r)| match r {
+                Route::Network(target) => Some((t, target)),
+                _ => None,
+            });
+            let transfer = self.plan_network_scatter(src, network.collect(), imm, sharding, Notify::Callback(on_done));
+            return self.submit_transfer(transfer);
+        }
+        let joined = Joined::new(Notify::Callback(on_done));
+        let commands = match self.plan_scatter_parts(src, targets, routes, imm, sharding, &joined) {
+            Ok(commands) => commands,
+            Err(e) => {
+                joined.cancel();
+                return Err(e);
+            }
+        };
+        let mut queued = 0;
+        for command in commands {
+            match self.command(command) {
+                Ok(()) => queued += 1,
+                Err(e) if queued == 0 => {
+                    // Nothing reached the worker: the caller gets the error, as for any request.
+                    joined.cancel();
+                    return Err(e);
+                }
+                Err(e) => {
+                    // Some parts are under way: the rest fail, reported through the completion.
+                    joined.fail(e);
+                    break;
+                }
+            }
+        }
+        joined.release();
+        Ok(())
+    }
+
+    /// One worker request per same-host or staged target (each planned as a single write of
+    /// its slice), and one for every target over the provider.
+    fn plan_scatter_parts(
+        &self,
+        src: MrHandle,
+        targets: &[ScatterTarget<'_>],
+        routes: Vec<Route>,
+        imm: Option<u32>,
+        sharding: ScatterSharding,
+        joined: &Joined,
+    ) -> Result<Vec<Command>> {
+        let mut network = Vec::new();
+        let mut commands = Vec::with_capacity(targets.len());
+        for (t, route) in targets.iter().zip(routes) {
+            match route {
+                Route::Network(target) => network.push((t, target)),
+                Route::SameHost(local) => {
+                    let copy =
+                        SameHostCopy::Contiguous { src_offset: t.src_offset, dst_offset: t.dst_offset, len: t.len };
+                    commands.push(self.plan_same_host(src, t.dst, local, copy, imm, joined.part())?);
+                }
+                Route::Staged(staged) => {
+                    let pieces = vec![(t.src_offset, t.dst_offset, t.len)];
+                    commands.push(self.plan_staged(src, t.dst, staged, pieces, imm, joined.part())?);
+                }
+            }
+        }
+        if !network.is_empty() {
+            commands.push(Command::Transfer(self.plan_network_scatter(src, network, imm, sharding, joined.part())));
+        }
+        Ok(commands)
+    }
+
+    /// The targets over the provider as one request: each target whole on one domain
+    /// (rotating), or sharded over all domains like a single write.
+    fn plan_network_scatter(
+        &self,
+        src: MrHandle,
+        targets: Vec<(&ScatterTarget<'_>, Target)>,
+        imm: Option<u32>,
+        sharding: ScatterSharding,
+        on_done: Notify,
+    ) -> Transfer {
+        let n = self.num_domains();
+        let start = self.rotate(targets.len());
+        let mut resolved = Vec::with_capacity(targets.len());
+        let mut shards = Vec::with_capacity(targets.len());
+        for (p, (t, target)) in targets.into_iter().enumerate() {
+            resolved.push(target);
             let pieces = match sharding {
                 ScatterSharding::ByPeer => vec![((start + p) % n, 0, t.len)],
                 ScatterSharding::ByBytes => split_bytes(t.len, n, n, start + p, self.config().shard_min_bytes),
@@ -57,13 +148,7 @@ impl TransferEngine {
                 imm: None,
             }));
         }
-        let deferred = plan_imms(&mut shards, &vec![imm; targets.len()]);
-        self.submit_transfer(Transfer {
-            region: src.0,
-            targets: resolved,
-            shards,
-            deferred,
-            on_done: Notify::Callback(on_done),
-        })
+        let deferred = plan_imms(&mut shards, &vec![imm; resolved.len()]);
+        Transfer { region: src.0, targets: resolved, shards, deferred, on_done }
     }
 }

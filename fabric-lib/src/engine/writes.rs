@@ -193,7 +193,7 @@ impl TransferEngine {
         self.command(self.plan_same_host(src, dst, local, copy, imm, on_done)?)
     }
 
-    fn plan_same_host(
+    pub(super) fn plan_same_host(
         &self,
         src: MrHandle,
         dst: &MrDescriptor,
@@ -211,7 +211,7 @@ impl TransferEngine {
 
     /// Plans a staged write (see `staging`): `pieces` are (source offset, destination offset,
     /// length).
-    fn plan_staged(
+    pub(super) fn plan_staged(
         &self,
         src: MrHandle,
         dst: &MrDescriptor,
