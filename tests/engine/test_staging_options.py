@@ -1,6 +1,6 @@
 """Staging options and the staged protocol from Python, without a GPU: host memory takes the
 staged path (``stage_host_memory``) between two tcp engines, so bounce buffers, the landing area
-and the credits run for real (tests/gpu/test_gpu_staged.py moves GPU memory the same way)."""
+and the credits run for real (tests/gpu/test_gpu_network.py moves GPU memory the same way)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,32 @@ def test_host_memory_staged_end_to_end() -> None:
         sent, landed = a.staging_stats, b.staging_stats
         assert sent.requests_sent == 2 and sent.bounced_bytes == 100_003 + 4 * 5000
         assert landed.requests_landed == 2 and landed.landed_bytes == 100_003 + 4 * 5000
+
+
+def test_a_scatter_stages_each_target_like_a_single_write() -> None:
+    """Two receivers, one staging (landing area) and one not: each target takes its own path,
+    each receiver counts the immediate once per target, the Future completes once."""
+    staged = {"stage_host_memory": True, "staging_chunk_bytes": 16 << 10, "staging_slots": 3}
+    with _engine(**staged) as a, _engine(**staged) as b, _engine() as c:
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        dst_b, dst_c = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+        rs, rb, rc = a.register_tensor(src), b.register_tensor(dst_b), c.register_tensor(dst_c)
+        assert rb.descriptor.staged_reachable and not rc.descriptor.staged_reachable
+        targets = [
+            (70_001, 3, rb.descriptor, 5),
+            (0, 0, rb.descriptor, 0),
+            (50_000, 100_000, rb.descriptor, 300_000),
+            (40_000, 9, rc.descriptor, 11),
+        ]
+        with b.imm_counter(52) as at_b, c.imm_counter(52) as at_c:
+            a.submit_scatter(rs, targets, imm=52).result(timeout=30)
+            at_b.wait(3, timeout=30)
+            at_c.wait(1, timeout=30)
+            assert at_b.value == 0 and at_c.value == 0
+        assert torch.equal(dst_b[5 : 5 + 70_001], src[3 : 3 + 70_001])
+        assert torch.equal(dst_b[300_000:350_000], src[100_000:150_000])
+        assert torch.equal(dst_c[11 : 11 + 40_000], src[9 : 9 + 40_000])
+        # Every target was bounced on the writer; only b's landed staged.
+        assert a.staging_stats.bounced_bytes == 70_001 + 50_000 + 40_000
+        assert b.staging_stats.landed_bytes == 70_001 + 50_000
+        assert c.staging_stats.landed_bytes == 0

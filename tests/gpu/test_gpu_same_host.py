@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Literal
 
 import fabric_lib
 import fabric_lib.cuda as fcuda
@@ -165,6 +166,67 @@ def test_one_gpu_same_process_all_directions() -> None:
         _check_pair(p)
     finally:
         p.close()
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_scatter_with_gpu_memory_on_the_same_host() -> None:
+    """A scatter whose targets are same-host GPU copies (CUDA, the receiver's inbox) next to
+    host-to-host targets over the provider, from a GPU and from a host source: each receiver
+    counts the immediate once per target, after that target's bytes are in place."""
+    n = 1 << 20
+    w, r1, r2 = _engine(poll_mode="adaptive"), _engine(poll_mode="adaptive"), _engine(poll_mode="adaptive")
+    try:
+        src_gpu, src_host = _rand_bytes(n, "cuda:0", 5), _rand_bytes(n, "cpu", 6)
+        dst = {
+            (r, kind): torch.zeros(n, dtype=torch.uint8, device="cuda:0" if kind == "gpu" else "cpu")
+            for r in (1, 2)
+            for kind in ("gpu", "host")
+        }
+        engines = {1: r1, 2: r2}
+        desc = {key: engines[key[0]].register_tensor(t).descriptor for key, t in dst.items()}
+        rs_gpu, rs_host = w.register_tensor(src_gpu), w.register_tensor(src_host)
+        torch.cuda.synchronize()
+        expected = {key: torch.zeros(n, dtype=torch.uint8) for key in dst}
+        # (source, shard_by, imm, [(length, src_offset, (receiver, kind), dst_offset)])
+        scatters: list[
+            tuple[str, Literal["peer", "bytes"], int, list[tuple[int, int, tuple[int, str], int]]]
+        ] = [
+            (
+                "gpu",
+                "peer",
+                61,
+                [
+                    (100_003, 7, (1, "gpu"), 11),
+                    (5000, 0, (2, "gpu"), 0),
+                    (70_000, 13, (2, "host"), 3),
+                    (1, n - 1, (1, "gpu"), 200_000),
+                    (0, 0, (1, "host"), 0),
+                ],
+            ),
+            ("host", "bytes", 62, [(300_000, 1, (1, "gpu"), 400_000), (20_000, 5, (2, "host"), 500_000)]),
+        ]
+        for src_kind, shard_by, imm, targets in scatters:
+            src, region = (src_gpu, rs_gpu) if src_kind == "gpu" else (src_host, rs_host)
+            for length, src_off, key, dst_off in targets:
+                expected[key][dst_off : dst_off + length] = src[src_off : src_off + length].cpu()
+            native = [(length, src_off, desc[key], dst_off) for length, src_off, key, dst_off in targets]
+            w.submit_scatter(region, native, imm=imm, shard_by=shard_by).result(TIMEOUT)
+            per_receiver = {r: sum(1 for t in targets if t[2][0] == r) for r in (1, 2)}
+            for r, count in per_receiver.items():
+                if count:
+                    engines[r].imm_counter(imm).wait(count, timeout=TIMEOUT)
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+        for r, e in engines.items():
+            assert e.imm_counter(61).value == 0 and e.imm_counter(62).value == 0, (
+                f"receiver {r}: extra immediates"
+            )
+        for key, t in dst.items():
+            assert torch.equal(t.cpu(), expected[key]), f"receiver {key[0]}'s {key[1]} buffer"
+    finally:
+        for e in (w, r1, r2):
+            e.stop()
 
 
 @needs_two
