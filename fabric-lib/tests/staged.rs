@@ -3,7 +3,7 @@
 //! bounce copies, writes into the receiver's landing area, announcements and credits as control
 //! messages, copies into place, immediates counted once per complete request. The same worker
 //! code moves GPU memory; only the copies differ (CUDA streams instead of memcpy), and those
-//! are covered by tests/gpu/test_gpu_staged.py.
+//! are covered by tests/gpu/test_gpu_network.py (its `tcp` transport).
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 

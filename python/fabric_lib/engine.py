@@ -814,9 +814,12 @@ class TransferEngine:
     ) -> Future[None] | None:
         """Writes ``(length, src_offset, dst, dst_offset)`` slices of ``src`` to several peers.
 
-        Each target's receiver counts ``imm`` once. ``shard_by="peer"`` puts each target on one
-        domain (rotating); ``"bytes"`` shards each target over all domains. With ``group``, every
-        target must belong to that peer group.
+        Each target's receiver counts ``imm`` once per target, after that target's bytes are in
+        place. ``shard_by="peer"`` puts each target on one domain (rotating); ``"bytes"`` shards
+        each target over all domains. With ``group``, every target must belong to that peer group.
+        GPU memory may be on either side: each target takes the path a single write of its slice
+        would take (same-host copy, staged, or over the provider) and the Future completes once,
+        after every target finished (docs/gpu.md, "Scatter").
         """
         _check_imm(imm)
         if shard_by not in ("peer", "bytes"):
