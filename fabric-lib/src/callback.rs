@@ -26,6 +26,14 @@ impl CallbackQueue {
         let _ = self.0.send(Message::Run(job));
     }
 
+    /// Queues a job, or runs it on this thread when the callback thread is gone (the engine
+    /// stopped): for completions that must run once whatever happens.
+    pub fn push_or_run(&self, job: Job) {
+        if let Err(crossbeam_channel::SendError(Message::Run(job))) = self.0.send(Message::Run(job)) {
+            job();
+        }
+    }
+
     /// Queues the callbacks produced by an ImmCounter update.
     pub fn push_imm_events(&self, events: Vec<ImmEvent>) {
         for event in events {

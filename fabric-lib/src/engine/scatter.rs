@@ -58,7 +58,7 @@ impl TransferEngine {
             let transfer = self.plan_network_scatter(src, network.collect(), imm, sharding, Notify::Callback(on_done));
             return self.submit_transfer(transfer);
         }
-        let joined = Joined::new(Notify::Callback(on_done));
+        let joined = Joined::new(Notify::Callback(on_done), self.callbacks.queue());
         let commands = match self.plan_scatter_parts(src, targets, routes, imm, sharding, &joined) {
             Ok(commands) => commands,
             Err(e) => {
