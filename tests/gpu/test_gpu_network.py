@@ -15,9 +15,11 @@ fixed cases, hypothesis batches of single and paged writes (0 B to 64 MiB, unali
 GPU to GPU, GPU to host, host to GPU), 1000 consecutive requests and scatters with GPU memory.
 Receivers check every byte of their buffers against what the requests imply and every immediate
 count exactly (nothing missing, nothing extra). A receiver killed mid-transfer must fail the
-writer's requests with typed errors within ``transfer_timeout``, and the writer must serve
-another receiver afterwards. The option checks at the top run everywhere; the rest needs a CUDA
-GPU and skips without one.
+writer's requests with typed errors within ``transfer_timeout``, nothing may hang, and over tcp
+the writer must serve another receiver afterwards (over shm it cannot: docs/gpu.md). The option
+checks at the top run everywhere; the rest needs a CUDA GPU and skips without one.
+
+Run with ``LD_LIBRARY_PATH=.libfabric-cuda/lib`` for the shm transports.
 """
 
 from __future__ import annotations
@@ -780,6 +782,9 @@ def release_source(node: Node, timeout: float) -> bool:
 def test_a_killed_receiver_fails_writes_with_typed_errors_and_the_writer_serves_others(
     transport: str,
 ) -> None:
+    """A writer keeps 8 large GPU -> GPU writes in flight to a receiver that is SIGKILLed: they
+    fail with typed errors within ``transfer_timeout`` of the kill and none hangs; then the same
+    writer engine writes to another receiver in every direction."""
     skip_unless_transport(transport)
     sizes = {
         "transport": transport,
