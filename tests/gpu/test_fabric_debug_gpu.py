@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import fabric_lib
 import fabric_lib.cuda as fcuda
 import pytest
 from fabric_lib.errors import CudaUnavailableError
@@ -53,9 +54,12 @@ def _gpu_count() -> int:
 
 def _binary() -> Path:
     found = shutil.which("fabric-debug", path=str(Path(sys.executable).parent))
-    if found is None:
-        pytest.skip("fabric-debug is not installed beside this interpreter")
-    return Path(found)
+    if found is not None:
+        return Path(found)
+    packaged = Path(fabric_lib.__file__).parent / "_bin" / "fabric-debug"  # e.g. a --target install
+    if not packaged.is_file():
+        pytest.skip("fabric-debug is not installed beside this interpreter nor in the package")
+    return packaged
 
 
 def _env(cuda_libfabric: bool) -> dict[str, str]:
