@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +84,27 @@ def _shm_has_fi_hmem(env: dict[str, str]) -> bool:
     return bool(json.loads(out.stdout)["providers"][0]["fi_hmem"])
 
 
-def _line(server: subprocess.Popen[str], timeout: float) -> str:
-    """The server's next stdout line, waiting at most `timeout` for it to start."""
+def _lines(server: subprocess.Popen[str]) -> queue.Queue[str]:
+    """The server's stdout lines, read by a thread (a select on the pipe would miss lines
+    already buffered by an earlier readline)."""
     assert server.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(server.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise AssertionError(f"the server printed nothing within {timeout} s")
-    return server.stdout.readline()
+    out: queue.Queue[str] = queue.Queue()
+    stream = server.stdout
+
+    def pump() -> None:
+        for line in stream:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def _line(lines: queue.Queue[str], timeout: float) -> str:
+    """The server's next stdout line, waiting at most `timeout` for it."""
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"the server printed nothing within {timeout} s") from None
 
 
 def _run(
@@ -105,7 +119,8 @@ def _run(
             [binary, *server_argv], stdout=subprocess.PIPE, stderr=server_err, text=True, env=env
         )
         try:
-            printed = [_line(server, 120) for _ in range(lines)]
+            out = _lines(server)
+            printed = [_line(out, 120) for _ in range(lines)]
             if not printed[0].startswith("READY "):
                 server.kill()
                 server.wait(timeout=30)
