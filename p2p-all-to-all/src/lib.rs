@@ -35,6 +35,9 @@ mod error;
 mod kernels;
 mod layout;
 mod params;
+pub mod proxy;
+pub mod proxy_block;
+pub mod remote;
 
 pub use all_to_all::{device_error, AllToAll, CombineRecv, CombineSend, DispatchRecv, DispatchSend};
 pub use config::{Config, DispatchDtype, MAX_EXPERTS, MAX_PEERS, MAX_TOKENS, MAX_TOPK, SCALE_BLOCK};
