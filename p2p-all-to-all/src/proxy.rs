@@ -13,7 +13,9 @@
 //!    rank (each sharded over the engine's domains).
 //! 3. Arrivals are learnt only from immediate counts (no ordering is assumed): once every rank's
 //!    count message is in, each remote source's expected data writes are known; when they all
-//!    arrived, the proxy raises `rflag[p][s]`, which the receive kernel waits on.
+//!    arrived, the proxy raises `rflag[p][s]`, which the receive kernel waits on. Once every
+//!    count message is in it raises `rcf[p][s]` first: the kernel computes its rows' offsets
+//!    (and expands NVLink sources' tokens) while remote records are still in flight.
 //!
 //! Combine call `cn`: when the combine send kernel raised `cdone`, one write per remote rank (or
 //! only an immediate where there are no rows: every rank always hears from every remote rank,
@@ -192,6 +194,7 @@ struct DispatchCall {
     started: bool,
     seen: Instant,
     known: Vec<bool>,
+    counts_raised: bool,
     private_posted: bool,
     overflow_posted: Vec<bool>,
     flagged: Vec<bool>,
@@ -450,6 +453,15 @@ impl State {
         // finishing then proves its proxy read them all (the buffers of this parity are free
         // for call n + 2).
         if self.dispatch.started && self.dispatch.known.iter().all(|&k| k) {
+            if !self.dispatch.counts_raised {
+                // The receive kernel lays out its rows from these before the records arrive.
+                for &s in &self.remote {
+                    let records = u64::from(self.counts[p].tok[s][me]);
+                    self.u64_at(self.block.rcf_at(p, s)).store((n << 32) | records, Ordering::Release);
+                }
+                self.dispatch.counts_raised = true;
+                progressed = true;
+            }
             for i in 0..self.remote.len() {
                 let s = self.remote[i];
                 if self.dispatch.flagged[s] {
@@ -551,6 +563,7 @@ impl DispatchCall {
             started: false,
             seen: Instant::now(),
             known: vec![false; w],
+            counts_raised: false,
             private_posted: false,
             overflow_posted: vec![false; w],
             flagged: vec![false; w],

@@ -8,6 +8,7 @@
 //! | `ddone` u64 | send kernel | dispatch `n`'s records for remote ranks are packed in `dsend[p]` |
 //! | `cdone` u64 | combine send kernel | `(cn << 32) \| dn`: combine `cn`'s rows (routing of dispatch `dn`) are in `csend` |
 //! | `error` u64 | proxy | nonzero: the proxy failed (a write failed, a message was malformed) |
+//! | `rcf[2][W]` u64 | proxy | `(n << 32) \| records`: every rank's counts of dispatch `n` arrived (remote source `s`) |
 //! | `rflag[2][W]` u64 | proxy | `(n << 32) \| records`: every record of remote source `s` arrived |
 //! | `rovf[2][W]` u64 | proxy | where source `s`'s overflow records start in the overflow area |
 //! | `crflag[W]` u64 | proxy | `cn << 32`: remote rank `d`'s combine rows arrived |
@@ -32,6 +33,7 @@ pub struct BlockLayout {
     pub ddone: usize,
     pub cdone: usize,
     pub error: usize,
+    pub rcf: usize,
     pub rflag: usize,
     pub rovf: usize,
     pub crflag: usize,
@@ -55,6 +57,7 @@ impl BlockLayout {
         let ddone = take(&mut next, 8);
         let cdone = take(&mut next, 8);
         let error = take(&mut next, 8);
+        let rcf = take(&mut next, 2 * 8 * w);
         let rflag = take(&mut next, 2 * 8 * w);
         let rovf = take(&mut next, 2 * 8 * w);
         let crflag = take(&mut next, 8 * w);
@@ -67,6 +70,7 @@ impl BlockLayout {
             ddone,
             cdone,
             error,
+            rcf,
             rflag,
             rovf,
             crflag,
@@ -79,6 +83,11 @@ impl BlockLayout {
             experts: e,
             bytes: next,
         }
+    }
+
+    /// Offset of `rcf[p][s]`.
+    pub fn rcf_at(&self, p: usize, s: usize) -> usize {
+        self.rcf + 8 * (p * self.world + s)
     }
 
     /// Offset of `rflag[p][s]`.
@@ -130,6 +139,7 @@ mod tests {
             (b.ddone, 8),
             (b.cdone, 8),
             (b.error, 8),
+            (b.rcf, 16 * 8),
             (b.rflag, 16 * 8),
             (b.rovf, 16 * 8),
             (b.crflag, 8 * 8),

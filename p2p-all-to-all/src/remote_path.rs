@@ -1,0 +1,230 @@
+//! One rank's RDMA half: its TransferEngine, the proxy block, the remote-traffic buffers
+//! (GPU memory registered with the NIC where the engine's provider has FI_HMEM, else mapped
+//! pinned host memory that the kernels read and write directly), their registrations, and the
+//! proxy thread once every rank's regions are known.
+use std::sync::Arc;
+use std::time::Duration;
+
+use cuda_lib::{Context, DeviceBuffer, PinnedHostBuffer};
+use fabric_lib::{EngineConfig, MemoryKind, MrDescriptor, MrHandle, TransferEngine};
+
+use crate::error::{invalid, Result};
+use crate::proxy::{CombineSample, DispatchSample, LocalRegions, PeerRegions, Proxy, ProxyConfig};
+use crate::proxy_block::BlockLayout;
+use crate::remote::{RemoteLayout, Topology};
+
+/// How a rank reaches the ranks outside its NVLink domain.
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// Ranks per NVLink domain (consecutive ranks; divides the world size). The world size:
+    /// everything over NVLink (no engine, no proxy). 1: everything through the engine.
+    pub nvlink: usize,
+    /// Records per (source, destination) pair sent speculatively into the destination's private
+    /// area; the rest goes to its overflow area once every rank's counts are known.
+    pub private_tokens: usize,
+    /// The engine's provider, domains (NICs: `nets_per_gpu` of them), polling and timeouts.
+    /// `force_network` is always set: remote ranks are reached as on another host.
+    pub engine: EngineConfig,
+    /// CPU to pin the proxy thread to (one near the GPU).
+    pub proxy_cpu: Option<usize>,
+}
+
+/// Memory of one remote-traffic buffer.
+#[derive(Debug)]
+enum Buffer {
+    Device(DeviceBuffer),
+    Host(PinnedHostBuffer),
+}
+
+impl Buffer {
+    fn new(ctx: &Arc<Context>, len: usize, gpu: bool) -> Result<Self> {
+        Ok(if gpu {
+            Buffer::Device(DeviceBuffer::new(ctx, len)?)
+        } else {
+            Buffer::Host(PinnedHostBuffer::new(ctx, len)?)
+        })
+    }
+
+    /// The address kernels use.
+    fn device_ptr(&self) -> u64 {
+        match self {
+            Buffer::Device(b) => b.ptr(),
+            Buffer::Host(b) => b.device_ptr(),
+        }
+    }
+
+    fn register(&self, engine: &TransferEngine, device: usize) -> Result<(MrHandle, MrDescriptor)> {
+        // SAFETY: the buffer outlives the engine's use of it: `RemotePath` drops the proxy and
+        // the engine before its buffers.
+        let (h, d) = unsafe {
+            match self {
+                Buffer::Device(b) => {
+                    engine.register_memory(b.ptr() as *mut u8, b.len(), MemoryKind::Cuda(device as u32))
+                }
+                Buffer::Host(b) => engine.register_memory(b.host_ptr(), b.len(), MemoryKind::Host),
+            }
+        }?;
+        if !d.network_reachable() {
+            return Err(invalid!("the engine registered a remote-traffic buffer without network keys"));
+        }
+        Ok((h, d))
+    }
+}
+
+const REGIONS_MAGIC: &[u8; 4] = b"A2AR";
+
+/// The RDMA half of one rank (see the module documentation).
+pub struct RemotePath {
+    pub topo: Topology,
+    pub layout: RemoteLayout,
+    pub block: BlockLayout,
+    rank: usize,
+    proxy_cpu: Option<usize>,
+    // Dropped in this order: the proxy (joins its thread), the engine, then the memory.
+    proxy: Option<Proxy>,
+    engine: Arc<TransferEngine>,
+    regions: [(MrHandle, MrDescriptor); 5],
+    block_buf: PinnedHostBuffer,
+    bufs: [Buffer; 4],
+    gpu_buffers: bool,
+}
+
+impl std::fmt::Debug for RemotePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemotePath")
+            .field("topo", &self.topo)
+            .field("layout", &self.layout)
+            .field("gpu_buffers", &self.gpu_buffers)
+            .field("proxy", &self.proxy)
+            .finish()
+    }
+}
+
+/// Buffers in `bufs` (and regions 1..5).
+const DSEND: usize = 0;
+const DRECV: usize = 1;
+const CSEND: usize = 2;
+const CRECV: usize = 3;
+
+impl RemotePath {
+    /// Opens the engine, allocates and registers this rank's buffers. `rec_bytes`: bytes of one
+    /// token record (values, scales, padding).
+    pub fn new(
+        ctx: &Arc<Context>,
+        device: usize,
+        rank: usize,
+        topo: Topology,
+        layout: RemoteLayout,
+        opts: &RemoteOptions,
+    ) -> Result<Self> {
+        let engine = Arc::new(TransferEngine::new(EngineConfig { force_network: true, ..opts.engine.clone() })?);
+        let gpu = engine.gpu_network();
+        let block = BlockLayout::new(&layout);
+        let block_buf = PinnedHostBuffer::new(ctx, block.bytes)?;
+        let bufs = [
+            Buffer::new(ctx, layout.dsend_bytes(), gpu)?,
+            Buffer::new(ctx, layout.drecv_bytes(), gpu)?,
+            Buffer::new(ctx, layout.csend_bytes(), gpu)?,
+            Buffer::new(ctx, layout.crecv_bytes(), gpu)?,
+        ];
+        // SAFETY: as in `Buffer::register`.
+        let blk = unsafe { engine.register_memory(block_buf.host_ptr(), block.bytes, MemoryKind::Host) }?;
+        let regions = [
+            blk,
+            bufs[DSEND].register(&engine, device)?,
+            bufs[DRECV].register(&engine, device)?,
+            bufs[CSEND].register(&engine, device)?,
+            bufs[CRECV].register(&engine, device)?,
+        ];
+        Ok(RemotePath {
+            topo,
+            layout,
+            block,
+            rank,
+            proxy_cpu: opts.proxy_cpu,
+            proxy: None,
+            engine,
+            regions,
+            block_buf,
+            bufs,
+            gpu_buffers: gpu,
+        })
+    }
+
+    /// Whether the buffers are GPU memory (FI_HMEM) rather than mapped host memory.
+    pub fn gpu_buffers(&self) -> bool {
+        self.gpu_buffers
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<TransferEngine> {
+        &self.engine
+    }
+
+    /// Device addresses of (proxy block, dsend, drecv, csend, crecv).
+    pub fn device_ptrs(&self) -> [u64; 5] {
+        [
+            self.block_buf.device_ptr(),
+            self.bufs[DSEND].device_ptr(),
+            self.bufs[DRECV].device_ptr(),
+            self.bufs[CSEND].device_ptr(),
+            self.bufs[CRECV].device_ptr(),
+        ]
+    }
+
+    /// What peers need: the descriptors of the block, drecv and crecv.
+    pub fn export(&self) -> Vec<u8> {
+        let mut out = REGIONS_MAGIC.to_vec();
+        for i in [0, 2, 4] {
+            let d = self.regions[i].1.to_bytes();
+            out.extend_from_slice(&(d.len() as u32).to_le_bytes());
+            out.extend_from_slice(&d);
+        }
+        out
+    }
+
+    /// Starts the proxy with every rank's [`RemotePath::export`] (`exports[r]` of rank r).
+    pub fn connect(&mut self, exports: &[&[u8]]) -> Result<()> {
+        let peers = exports.iter().enumerate().map(|(r, b)| decode_regions(r, b)).collect::<Result<Vec<_>>>()?;
+        let local = LocalRegions {
+            block_ptr: self.block_buf.host_ptr(),
+            block: self.regions[0].0,
+            dsend: self.regions[1].0,
+            csend: self.regions[3].0,
+        };
+        let cfg = ProxyConfig {
+            rank: self.rank,
+            topo: self.topo,
+            layout: self.layout,
+            cpu: self.proxy_cpu,
+            idle_spin: Duration::from_millis(50),
+        };
+        self.proxy = Some(Proxy::start(self.engine.clone(), cfg, local, peers)?);
+        Ok(())
+    }
+
+    /// The proxy's first failure, or the block's error word raised.
+    pub fn error(&self) -> Option<String> {
+        self.proxy.as_ref().and_then(|p| p.error())
+    }
+
+    /// The proxy's recorded costs of recent calls (cleared).
+    pub fn take_samples(&self) -> (Vec<DispatchSample>, Vec<CombineSample>) {
+        self.proxy.as_ref().map(|p| p.take_samples()).unwrap_or_default()
+    }
+}
+
+fn decode_regions(r: usize, bytes: &[u8]) -> Result<PeerRegions> {
+    let bad = || invalid!("rank {r}'s remote regions are malformed ({} bytes)", bytes.len());
+    if bytes.len() < 4 || &bytes[..4] != REGIONS_MAGIC {
+        return Err(bad());
+    }
+    let mut at = 4;
+    let mut next = || -> Result<MrDescriptor> {
+        let len = u32::from_le_bytes(bytes.get(at..at + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        let d = MrDescriptor::from_bytes(bytes.get(at + 4..at + 4 + len).ok_or_else(bad)?)?;
+        at += 4 + len;
+        Ok(d)
+    };
+    Ok(PeerRegions { block: next()?, drecv: next()?, crecv: next()? })
+}
