@@ -62,8 +62,12 @@ pub struct LocalRegions {
 // the proxy before freeing it); every access goes through atomics.
 unsafe impl Send for LocalRegions {}
 
+/// Waits until bytes whose immediates were counted are in place (see
+/// [`ProxyConfig::placement_fence`]).
+pub type PlacementFence = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
 /// What the proxy is for.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ProxyConfig {
     pub rank: usize,
     pub topo: Topology,
@@ -72,6 +76,22 @@ pub struct ProxyConfig {
     pub cpu: Option<usize>,
     /// After this long without work the thread sleeps briefly between polls.
     pub idle_spin: Duration,
+    /// Called before raising a receive flag, where a counted immediate does not yet mean the
+    /// bytes are in place: `shm` with FI_HMEM counts it while the device copy is still queued
+    /// on the receiver's legacy default stream. None elsewhere (RDMA NICs place the bytes first).
+    pub placement_fence: Option<PlacementFence>,
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyConfig")
+            .field("rank", &self.rank)
+            .field("topo", &self.topo)
+            .field("layout", &self.layout)
+            .field("cpu", &self.cpu)
+            .field("placement_fence", &self.placement_fence.is_some())
+            .finish()
+    }
 }
 
 /// One dispatch's costs as the proxy saw them (nanoseconds).
@@ -312,6 +332,17 @@ impl State {
         }
     }
 
+    /// Runs the placement fence (if any); false after recording its failure.
+    fn placed(&self) -> bool {
+        match self.cfg.placement_fence.as_ref().map(|f| f()) {
+            Some(Err(e)) => {
+                self.fail(format!("waiting for received bytes to be in place: {e}"));
+                false
+            }
+            _ => true,
+        }
+    }
+
     fn write(&self, src: MrHandle, src_offset: usize, len: usize, dst: &MrDescriptor, dst_offset: usize, imm: u32) {
         let req = WriteRequest {
             src,
@@ -472,6 +503,9 @@ impl State {
                 if expect > 0 && !self.engine.try_take_imm_count(imm(ImmKind::DispatchData, n as u32, s), expect) {
                     continue;
                 }
+                if expect > 0 && !self.placed() {
+                    return true;
+                }
                 let off = overflow_offset(&self.counts[p], &self.cfg.topo, q, s, me);
                 self.u64_at(self.block.rovf_at(p, s)).store(off as u64, Ordering::Relaxed);
                 self.u64_at(self.block.rflag_at(p, s)).store((n << 32) | records as u64, Ordering::Release);
@@ -542,6 +576,9 @@ impl State {
         for i in 0..self.remote.len() {
             let d = self.remote[i];
             if !self.combine.got[d] && self.engine.try_take_imm_count(imm(ImmKind::Combine, cn as u32, d), 1) {
+                if !self.placed() {
+                    return true;
+                }
                 self.u64_at(self.block.crflag_at(d)).store(cn << 32, Ordering::Release);
                 self.combine.got[d] = true;
                 progressed = true;

@@ -9,7 +9,7 @@ use cuda_lib::{Context, DeviceBuffer, PinnedHostBuffer};
 use fabric_lib::{EngineConfig, MemoryKind, MrDescriptor, MrHandle, TransferEngine};
 
 use crate::error::{invalid, Result};
-use crate::proxy::{CombineSample, DispatchSample, LocalRegions, PeerRegions, Proxy, ProxyConfig};
+use crate::proxy::{CombineSample, DispatchSample, LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig};
 use crate::proxy_block::BlockLayout;
 use crate::remote::{RemoteLayout, Topology};
 
@@ -80,6 +80,7 @@ pub struct RemotePath {
     pub block: BlockLayout,
     rank: usize,
     proxy_cpu: Option<usize>,
+    placement_fence: Option<PlacementFence>,
     // Dropped in this order: the proxy (joins its thread), the engine, then the memory.
     proxy: Option<Proxy>,
     engine: Arc<TransferEngine>,
@@ -136,12 +137,20 @@ impl RemotePath {
             bufs[CSEND].register(&engine, device)?,
             bufs[CRECV].register(&engine, device)?,
         ];
+        // shm's device copies run on the legacy default stream and may still be queued when
+        // their immediate is counted (docs/gpu.md): the proxy waits for that stream (which the
+        // kernels, on a non-blocking stream, are not on) before raising a flag.
+        let placement_fence: Option<PlacementFence> = (gpu && engine.provider().starts_with("shm")).then(|| {
+            let ctx = ctx.clone();
+            Arc::new(move || ctx.synchronize_legacy_stream().map_err(|e| e.to_string())) as PlacementFence
+        });
         Ok(RemotePath {
             topo,
             layout,
             block,
             rank,
             proxy_cpu: opts.proxy_cpu,
+            placement_fence,
             proxy: None,
             engine,
             regions,
@@ -198,6 +207,7 @@ impl RemotePath {
             layout: self.layout,
             cpu: self.proxy_cpu,
             idle_spin: Duration::from_millis(50),
+            placement_fence: self.placement_fence.clone(),
         };
         self.proxy = Some(Proxy::start(self.engine.clone(), cfg, local, peers)?);
         Ok(())

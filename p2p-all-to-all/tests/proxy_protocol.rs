@@ -191,7 +191,14 @@ fn rank(
         Some(PeerRegions { block: desc(&block_d), drecv: desc(&drecv_d), crecv: desc(&crecv_d) });
     barrier.wait();
     let peers: Vec<PeerRegions> = regions.lock().unwrap().iter().map(|r| r.clone().unwrap()).collect();
-    let cfg = ProxyConfig { rank: me, topo, layout: lay, cpu: None, idle_spin: Duration::from_millis(1) };
+    let cfg = ProxyConfig {
+        rank: me,
+        topo,
+        layout: lay,
+        cpu: None,
+        idle_spin: Duration::from_millis(1),
+        placement_fence: None,
+    };
     let local = LocalRegions { block_ptr: block.ptr(), block: block_h, dsend: dsend_h, csend: csend_h };
     let mut proxy = Some(Proxy::start(engine.clone(), cfg, local, peers).unwrap());
     drop(engine);

@@ -266,6 +266,9 @@ class AllToAll:
             cpu,
             dict(engine_options or {}),
         )
+        # shm with FI_HMEM queues its device copies on the legacy default stream: the proxy waits
+        # for that stream before raising a flag, so the kernels must not run on it.
+        self._side_stream_only = bool(self._native.remote_gpu_buffers) and (provider or "").startswith("shm")
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, self._native.export_handle(), group=self.group)
         self._native.connect(handles)
@@ -313,7 +316,9 @@ class AllToAll:
             )
         if bits & ERR_PROXY:
             why = self._native.proxy_error() or "unknown"
-            cls = FabricTimeoutError if "timed out" in why.lower() or "timeout" in why.lower() else FabricError
+            cls = (
+                FabricTimeoutError if "timed out" in why.lower() or "timeout" in why.lower() else FabricError
+            )
             raise cls(f"all-to-all: the proxy for remote ranks failed ({why}); this AllToAll is unusable")
         self._native.clear_errors()
         what = []
@@ -359,9 +364,14 @@ class AllToAll:
             raise _fail(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
         return t
 
-    @staticmethod
-    def _stream() -> int:
-        return int(torch.cuda.current_stream().cuda_stream)
+    def _stream(self) -> int:
+        stream = int(torch.cuda.current_stream().cuda_stream)
+        if stream == 0 and self._side_stream_only:
+            raise _fail(
+                "with provider 'shm' and GPU buffers the calls must run on a non-default stream "
+                "(torch.cuda.stream(torch.cuda.Stream())): shm copies on the legacy default stream"
+            )
+        return stream
 
     # --------------------------------------------------------------------------------- dispatch
 
