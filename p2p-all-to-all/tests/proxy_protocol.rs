@@ -8,7 +8,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use fabric_lib::{EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine};
-use p2p_all_to_all::proxy::{LocalRegions, PeerRegions, Proxy, ProxyConfig};
+use p2p_all_to_all::proxy::{LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig};
 use p2p_all_to_all::proxy_block::BlockLayout;
 use p2p_all_to_all::remote::{
     combine_segment_at_expert, combine_segment_at_source, overflow_offset, Counts, RemoteLayout, Topology,
@@ -131,6 +131,8 @@ struct Scenario {
     skew: bool,
     /// This rank stops (drops its proxy and engine) before this call.
     dies: Option<(usize, u64)>,
+    /// Install a placement fence that counts its calls (it must run before flags with data).
+    fence: bool,
 }
 
 impl Scenario {
@@ -191,14 +193,16 @@ fn rank(
         Some(PeerRegions { block: desc(&block_d), drecv: desc(&drecv_d), crecv: desc(&crecv_d) });
     barrier.wait();
     let peers: Vec<PeerRegions> = regions.lock().unwrap().iter().map(|r| r.clone().unwrap()).collect();
-    let cfg = ProxyConfig {
-        rank: me,
-        topo,
-        layout: lay,
-        cpu: None,
-        idle_spin: Duration::from_millis(1),
-        placement_fence: None,
-    };
+    let fences = Arc::new(AtomicU64::new(0));
+    let placement_fence: Option<PlacementFence> = sc.fence.then(|| {
+        let fences = fences.clone();
+        Arc::new(move || {
+            fences.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }) as PlacementFence
+    });
+    let cfg =
+        ProxyConfig { rank: me, topo, layout: lay, cpu: None, idle_spin: Duration::from_millis(1), placement_fence };
     let local = LocalRegions { block_ptr: block.ptr(), block: block_h, dsend: dsend_h, csend: csend_h };
     let mut proxy = Some(Proxy::start(engine.clone(), cfg, local, peers).unwrap());
     drop(engine);
@@ -284,6 +288,10 @@ fn rank(
         }
         assert!(combines.iter().all(|c| c.writes as usize == remote.len()));
         assert_eq!(proxy.calls_done(), (sc.calls, sc.calls));
+        if sc.fence {
+            // At least once per combine from every remote rank, and per source with records.
+            assert!(fences.load(Ordering::Relaxed) >= sc.calls * remote.len() as u64);
+        }
         Ok(sc.calls)
     })();
     drop(proxy); // stop the proxy (and the engine) before the buffers go
@@ -300,7 +308,16 @@ fn all_ok(results: Option<Vec<Result<u64, String>>>, calls: u64) {
 #[test]
 fn everything_remote_over_tcp_with_overflow() {
     // Quota 5 of 24 tokens: most pairs use both the private and the overflow write.
-    let sc = Scenario { provider: "tcp", world: 3, nvlink: 1, private_tokens: 5, calls: 12, skew: false, dies: None };
+    let sc = Scenario {
+        provider: "tcp",
+        world: 3,
+        nvlink: 1,
+        private_tokens: 5,
+        calls: 12,
+        skew: false,
+        dies: None,
+        fence: true,
+    };
     all_ok(run(sc), 12);
 }
 
@@ -309,7 +326,16 @@ fn mixed_domains_and_skew_over_tcp() {
     // Two domains of two: each rank has one NVLink peer (counts only) and two remote ranks;
     // skewed routing sends every token to ranks 0 and 1 only.
     for skew in [false, true] {
-        let sc = Scenario { provider: "tcp", world: 4, nvlink: 2, private_tokens: 8, calls: 6, skew, dies: None };
+        let sc = Scenario {
+            provider: "tcp",
+            world: 4,
+            nvlink: 2,
+            private_tokens: 8,
+            calls: 6,
+            skew,
+            dies: None,
+            fence: false,
+        };
         all_ok(run(sc), 6);
     }
 }
@@ -325,22 +351,39 @@ fn reordering_provider_exactly_once() {
         calls: 10,
         skew: false,
         dies: None,
+        fence: false,
     };
     all_ok(run(sc), 10);
 }
 
 #[test]
 fn no_overflow_when_the_quota_covers_everything() {
-    let sc =
-        Scenario { provider: "tcp", world: 2, nvlink: 1, private_tokens: MAX_TOKENS, calls: 5, skew: true, dies: None };
+    let sc = Scenario {
+        provider: "tcp",
+        world: 2,
+        nvlink: 1,
+        private_tokens: MAX_TOKENS,
+        calls: 5,
+        skew: true,
+        dies: None,
+        fence: false,
+    };
     all_ok(run(sc), 5);
 }
 
 #[test]
 fn a_dead_peer_ends_in_a_timeout_not_a_hang() {
     let start = Instant::now();
-    let sc =
-        Scenario { provider: "tcp", world: 3, nvlink: 1, private_tokens: 4, calls: 4, skew: false, dies: Some((2, 3)) };
+    let sc = Scenario {
+        provider: "tcp",
+        world: 3,
+        nvlink: 1,
+        private_tokens: 4,
+        calls: 4,
+        skew: false,
+        dies: Some((2, 3)),
+        fence: false,
+    };
     let Some(results) = run(sc) else { return };
     assert_eq!(results[2], Ok(2), "the dying rank finished two calls");
     for (r, res) in results.iter().enumerate().take(2) {
