@@ -326,6 +326,12 @@ impl AllToAll {
                     self.layout.shared_bytes
                 ));
             }
+            if self.remote.is_none() && bytes.len() > HANDLE_LEN {
+                return Err(invalid!(
+                    "rank {r} reaches some ranks through the engine (nvlink below the world size) and this \
+                     rank does not: every rank must use the same nvlink"
+                ));
+            }
             let nvlink_peer = !self.remote.as_ref().is_some_and(|rp| rp.topo.is_remote(self.cfg.rank, r));
             if nvlink_peer && h.dispatch_grid != self.dispatch_grid as u64 {
                 return Err(invalid!(

@@ -181,9 +181,12 @@ impl RemotePath {
         ]
     }
 
-    /// What peers need: the descriptors of the block, drecv and crecv.
+    /// What peers need: the layout every rank must share (NVLink domain size, private quota),
+    /// then the descriptors of the block, drecv and crecv.
     pub fn export(&self) -> Vec<u8> {
         let mut out = REGIONS_MAGIC.to_vec();
+        out.extend_from_slice(&(self.topo.nvlink as u64).to_le_bytes());
+        out.extend_from_slice(&(self.layout.private_tokens as u64).to_le_bytes());
         for i in [0, 2, 4] {
             let d = self.regions[i].1.to_bytes();
             out.extend_from_slice(&(d.len() as u32).to_le_bytes());
@@ -194,7 +197,8 @@ impl RemotePath {
 
     /// Starts the proxy with every rank's [`RemotePath::export`] (`exports[r]` of rank r).
     pub fn connect(&mut self, exports: &[&[u8]]) -> Result<()> {
-        let peers = exports.iter().enumerate().map(|(r, b)| decode_regions(r, b)).collect::<Result<Vec<_>>>()?;
+        let shape = (self.topo.nvlink as u64, self.layout.private_tokens as u64);
+        let peers = exports.iter().enumerate().map(|(r, b)| decode_regions(r, b, shape)).collect::<Result<Vec<_>>>()?;
         let local = LocalRegions {
             block_ptr: self.block_buf.host_ptr(),
             block: self.regions[0].0,
@@ -224,12 +228,29 @@ impl RemotePath {
     }
 }
 
-fn decode_regions(r: usize, bytes: &[u8]) -> Result<PeerRegions> {
-    let bad = || invalid!("rank {r}'s remote regions are malformed ({} bytes)", bytes.len());
-    if bytes.len() < 4 || &bytes[..4] != REGIONS_MAGIC {
+/// Decodes rank `r`'s [`RemotePath::export`]; its (nvlink, private_tokens) must be `shape`.
+fn decode_regions(r: usize, bytes: &[u8], shape: (u64, u64)) -> Result<PeerRegions> {
+    let bad = || {
+        invalid!(
+            "rank {r}'s remote regions are malformed ({} bytes): every rank must create the all-to-all \
+             with remote ranks",
+            bytes.len()
+        )
+    };
+    if bytes.len() < 20 || &bytes[..4] != REGIONS_MAGIC {
         return Err(bad());
     }
-    let mut at = 4;
+    let word = |i: usize| u64::from_le_bytes(bytes[4 + 8 * i..12 + 8 * i].try_into().expect("8 bytes"));
+    if (word(0), word(1)) != shape {
+        return Err(invalid!(
+            "rank {r} uses nvlink={} and private_tokens={}, this rank {} and {}: every rank must use the same",
+            word(0),
+            word(1),
+            shape.0,
+            shape.1
+        ));
+    }
+    let mut at = 20;
     let mut next = || -> Result<MrDescriptor> {
         let len = u32::from_le_bytes(bytes.get(at..at + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
         let d = MrDescriptor::from_bytes(bytes.get(at + 4..at + 4 + len).ok_or_else(bad)?)?;
@@ -237,4 +258,30 @@ fn decode_regions(r: usize, bytes: &[u8]) -> Result<PeerRegions> {
         Ok(d)
     };
     Ok(PeerRegions { block: next()?, drecv: next()?, crecv: next()? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(nvlink: u64, q: u64) -> Vec<u8> {
+        let mut b = REGIONS_MAGIC.to_vec();
+        b.extend_from_slice(&nvlink.to_le_bytes());
+        b.extend_from_slice(&q.to_le_bytes());
+        b
+    }
+
+    #[test]
+    fn peers_with_another_layout_or_garbage_are_refused() {
+        let e = decode_regions(1, b"", (2, 8)).unwrap_err().to_string();
+        assert!(e.contains("every rank must create"), "{e}");
+        let e = decode_regions(1, &header(4, 8), (2, 8)).unwrap_err().to_string();
+        assert!(e.contains("nvlink=4") && e.contains("every rank must use the same"), "{e}");
+        let e = decode_regions(1, &header(2, 9), (2, 8)).unwrap_err().to_string();
+        assert!(e.contains("private_tokens=9"), "{e}");
+        // The right shape but no descriptors behind it.
+        let mut truncated = header(2, 8);
+        truncated.extend_from_slice(&100u32.to_le_bytes());
+        assert!(decode_regions(1, &truncated, (2, 8)).is_err());
+    }
 }
