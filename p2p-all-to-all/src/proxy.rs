@@ -99,7 +99,7 @@ impl std::fmt::Debug for ProxyConfig {
 pub struct DispatchSample {
     /// Counts seen (`dseq`) → every count message posted.
     pub counts_post_ns: u64,
-    /// Counts seen → first count message about to be posted.
+    /// Counts seen → first count message posted.
     pub counts_signal_to_first_write_ns: u64,
     /// Records packed (`ddone`) → first data write posted.
     pub signal_to_first_write_ns: u64,
@@ -385,7 +385,6 @@ impl State {
             self.put_bytes(self.block.msg_out_at(p), &msg);
             let mut first = None;
             for r in (0..w).filter(|&r| r != me) {
-                first.get_or_insert_with(Instant::now);
                 let dst = self.block.msg_in_at(p, me);
                 self.write(
                     self.local.block,
@@ -395,6 +394,7 @@ impl State {
                     dst,
                     imm(ImmKind::Counts, n as u32, me),
                 );
+                first.get_or_insert_with(Instant::now);
             }
             let c = &mut self.counts[p];
             c.tok[me] = tok;
