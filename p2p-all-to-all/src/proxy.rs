@@ -28,7 +28,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use fabric_lib::{CompletionCounter, DomainChoice, MrDescriptor, MrHandle, TransferEngine, WriteRequest};
+use fabric_lib::{
+    CompletionCounter, DomainChoice, MrDescriptor, MrHandle, ScatterSharding, ScatterTarget, TransferEngine,
+    WriteRequest,
+};
 use parking_lot::Mutex;
 
 use crate::proxy_block::BlockLayout;
@@ -76,6 +79,9 @@ pub struct ProxyConfig {
     pub cpu: Option<usize>,
     /// After this long without work the thread sleeps briefly between polls.
     pub idle_spin: Duration,
+    /// Post the private writes of a dispatch as one scatter (one request for every remote rank)
+    /// rather than one write each: host-memory buffers (the engine's scatter takes host memory).
+    pub scatter_data: bool,
     /// Called before raising a receive flag, where a counted immediate does not yet mean the
     /// bytes are in place: `shm` with FI_HMEM counts it while the device copy is still queued
     /// on the receiver's legacy default stream. None elsewhere (RDMA NICs place the bytes first).
@@ -89,6 +95,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("topo", &self.topo)
             .field("layout", &self.layout)
             .field("cpu", &self.cpu)
+            .field("scatter_data", &self.scatter_data)
             .field("placement_fence", &self.placement_fence.is_some())
             .finish()
     }
@@ -358,6 +365,27 @@ impl State {
         }
     }
 
+    /// One request writing `(src_offset, len, dst, dst_offset)` per target from `src`, each
+    /// target's receiver counting `imm` once.
+    fn scatter(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) {
+        if targets.is_empty() {
+            return;
+        }
+        let targets: Vec<ScatterTarget<'_>> = targets
+            .iter()
+            .map(|&(src_offset, len, dst, dst_offset)| ScatterTarget {
+                len: len as u64,
+                src_offset: src_offset as u64,
+                dst,
+                dst_offset: dst_offset as u64,
+            })
+            .collect();
+        let on_done = self.writes.on_done();
+        if let Err(e) = self.engine.submit_scatter(None, src, &targets, Some(imm), ScatterSharding::ByBytes, on_done) {
+            self.fail(format!("posting a scatter to {} ranks: {e}", targets.len()));
+        }
+    }
+
     fn imm_only(&self, imm: u32, dst: &MrDescriptor) {
         let counter = self.writes.clone();
         if let Err(e) = self.engine.submit_imm(imm, dst, counter.on_done()) {
@@ -383,19 +411,11 @@ impl State {
             let mut msg = vec![0u8; self.block.msg_bytes];
             encode_counts(n, &tok, &hist, &mut msg);
             self.put_bytes(self.block.msg_out_at(p), &msg);
-            let mut first = None;
-            for r in (0..w).filter(|&r| r != me) {
-                let dst = self.block.msg_in_at(p, me);
-                self.write(
-                    self.local.block,
-                    self.block.msg_out_at(p),
-                    self.block.msg_bytes,
-                    &self.peers[r].block,
-                    dst,
-                    imm(ImmKind::Counts, n as u32, me),
-                );
-                first.get_or_insert_with(Instant::now);
-            }
+            // One scatter: the same message to every other rank.
+            let (src, len, dst) = (self.block.msg_out_at(p), self.block.msg_bytes, self.block.msg_in_at(p, me));
+            let targets: Vec<_> = (0..w).filter(|&r| r != me).map(|r| (src, len, &self.peers[r].block, dst)).collect();
+            self.scatter(self.local.block, &targets, imm(ImmKind::Counts, n as u32, me));
+            let first = (!targets.is_empty()).then(Instant::now);
             let c = &mut self.counts[p];
             c.tok[me] = tok;
             c.hist[me] = hist;
@@ -428,22 +448,28 @@ impl State {
         if !self.dispatch.private_posted && self.u64_at(self.block.ddone).load(Ordering::Acquire) >= n {
             let signal = Instant::now();
             let lay = self.cfg.layout;
+            let tag = imm(ImmKind::DispatchData, n as u32, me);
+            let targets: Vec<_> = self
+                .remote
+                .iter()
+                .map(|&d| (d, (self.counts[p].tok[me][d] as usize).min(q)))
+                .filter(|&(_, records)| records > 0)
+                .map(|(d, records)| {
+                    let dst = lay.private_offset(p, me, 0);
+                    (lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, &self.peers[d].drecv, dst)
+                })
+                .collect();
             let mut first = None;
-            for &d in &self.remote {
-                let records = (self.counts[p].tok[me][d] as usize).min(q);
-                if records > 0 {
-                    self.write(
-                        self.local.dsend,
-                        lay.dsend_offset(p, d, 0),
-                        records * lay.rrec_bytes,
-                        &self.peers[d].drecv,
-                        lay.private_offset(p, me, 0),
-                        imm(ImmKind::DispatchData, n as u32, me),
-                    );
+            if self.cfg.scatter_data {
+                self.scatter(self.local.dsend, &targets, tag);
+                first = (!targets.is_empty()).then(Instant::now);
+            } else {
+                for &(src, len, dst, dst_offset) in &targets {
+                    self.write(self.local.dsend, src, len, dst, dst_offset, tag);
                     first.get_or_insert_with(Instant::now);
-                    self.dispatch.sample.data_writes += 1;
                 }
             }
+            self.dispatch.sample.data_writes += targets.len() as u32;
             let sample = &mut self.dispatch.sample;
             sample.signal_to_first_write_ns = first.map_or(0, |t| (t - signal).as_nanos() as u64);
             sample.post_per_peer_ns = signal.elapsed().as_nanos() as u64 / self.remote.len().max(1) as u64;

@@ -133,6 +133,8 @@ struct Scenario {
     dies: Option<(usize, u64)>,
     /// Install a placement fence that counts its calls (it must run before flags with data).
     fence: bool,
+    /// Private writes as one scatter (else one write per remote rank).
+    scatter: bool,
 }
 
 impl Scenario {
@@ -201,8 +203,15 @@ fn rank(
             Ok(())
         }) as PlacementFence
     });
-    let cfg =
-        ProxyConfig { rank: me, topo, layout: lay, cpu: None, idle_spin: Duration::from_millis(1), placement_fence };
+    let cfg = ProxyConfig {
+        rank: me,
+        topo,
+        layout: lay,
+        cpu: None,
+        idle_spin: Duration::from_millis(1),
+        scatter_data: sc.scatter,
+        placement_fence,
+    };
     let local = LocalRegions { block_ptr: block.ptr(), block: block_h, dsend: dsend_h, csend: csend_h };
     let mut proxy = Some(Proxy::start(engine.clone(), cfg, local, peers).unwrap());
     drop(engine);
@@ -317,6 +326,7 @@ fn everything_remote_over_tcp_with_overflow() {
         skew: false,
         dies: None,
         fence: true,
+        scatter: false, // one write per remote rank (the GPU-buffer path)
     };
     all_ok(run(sc), 12);
 }
@@ -335,6 +345,7 @@ fn mixed_domains_and_skew_over_tcp() {
             skew,
             dies: None,
             fence: false,
+            scatter: true,
         };
         all_ok(run(sc), 6);
     }
@@ -352,6 +363,7 @@ fn reordering_provider_exactly_once() {
         skew: false,
         dies: None,
         fence: false,
+        scatter: true,
     };
     all_ok(run(sc), 10);
 }
@@ -367,6 +379,7 @@ fn no_overflow_when_the_quota_covers_everything() {
         skew: true,
         dies: None,
         fence: false,
+        scatter: true,
     };
     all_ok(run(sc), 5);
 }
@@ -383,6 +396,7 @@ fn a_dead_peer_ends_in_a_timeout_not_a_hang() {
         skew: false,
         dies: Some((2, 3)),
         fence: false,
+        scatter: true,
     };
     let Some(results) = run(sc) else { return };
     assert_eq!(results[2], Ok(2), "the dying rank finished two calls");
