@@ -1,7 +1,15 @@
-"""MoE dispatch/combine latency: fabric_lib.all_to_all (NVLink) against torch.distributed + NCCL.
+"""MoE dispatch/combine latency: fabric_lib.all_to_all (NVLink + RDMA) against torch.distributed + NCCL.
 
     python -m benchmarks.bench_all_to_all                      # every GPU of this host, decode defaults
     python -m benchmarks.bench_all_to_all --world-size 4 --tokens 128 4096 --dispatch-dtype fp8 bf16
+    # several nodes (run on each; drop --nvlink to send everything over RDMA):
+    python -m benchmarks.bench_all_to_all --world-size $((NUM_NODES * 8)) --nets-per-gpu 2 \\
+        --init-method=tcp://$MASTER_IP:29500 --node-rank=$NODE_RANK --nvlink=8
+    # one host standing in for 2 nodes of 2 ranks each, everything through the engine over tcp:
+    python -m benchmarks.bench_all_to_all --world-size 4 --procs-per-node 2 --nvlink 1 \\
+        --init-method tcp://127.0.0.1:29500 --node-rank 0 --provider tcp &
+    python -m benchmarks.bench_all_to_all --world-size 4 --procs-per-node 2 --nvlink 1 \\
+        --init-method tcp://127.0.0.1:29500 --node-rank 1 --provider tcp
 
 Launched once, it spawns ``--world-size`` processes (one per GPU); under torchrun (RANK and
 WORLD_SIZE set) it runs as that rank. For every (tokens, dispatch dtype) it measures, per
@@ -19,9 +27,16 @@ behind a sleep kernel, so host launch overhead is not counted):
 per block (and the bulk copy engine on or off for dispatch): ``dispatch@SPEC`` / ``combine@SPEC``,
 each object also passing the combine spot check (``max_combine_error``).
 
-p50 and p99 go to stdout and JSON (``--out``), and a PNG next to it when matplotlib is installed.
-Only NVLink ranks of one host are implemented (``--nvlink``); ``--nets-per-gpu`` and
-``--node-rank`` are recorded for the later RDMA path.
+With remote ranks (``--nvlink`` below the world size) it also reports the proxy's own costs, as
+the proxy recorded them per call (``proxy`` in the JSON): counts published → first count message
+posted, records packed → first data write posted, time to post per remote rank, writes per
+remote rank per call; and the host time of each ``dispatch`` / ``combine`` call (app call →
+kernel enqueued, ``host_call``).
+
+Launched with ``--init-method`` / ``--node-rank`` it starts this node's ``--procs-per-node``
+ranks (default: one per GPU; more stand in for several nodes on one GPU, over gloo since NCCL
+refuses two ranks on one GPU: no NCCL baseline then). p50 and p99 go to stdout and JSON
+(``--out``), and a PNG next to it when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -49,14 +64,36 @@ DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU of this host)")
-    p.add_argument("--nets-per-gpu", type=int, default=0, help="NICs per GPU (recorded; NVLink only for now)")
+    p.add_argument(
+        "--nets-per-gpu", type=int, default=1, help="NICs (engine domains) per GPU for remote ranks"
+    )
     p.add_argument(
         "--init-method", default=None, help="torch.distributed init method (default: tcp on localhost)"
     )
-    p.add_argument("--node-rank", type=int, default=0, help="this host's rank (only 0: one host)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (several nodes)")
+    p.add_argument(
+        "--procs-per-node", type=int, default=None, help="ranks this node starts (default: one per GPU)"
+    )
+    p.add_argument(
+        "--provider", default=None, help="libfabric provider of the engine (default: RDMA NIC, else tcp)"
+    )
+    p.add_argument(
+        "--private-tokens", type=int, default=None, help="speculative records per remote pair (default: all)"
+    )
+    p.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="TransferEngine option (e.g. gpu_network=true for shm of a CUDA libfabric); repeatable",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for the whole run")
     p.add_argument(
-        "--nvlink", action=argparse.BooleanOptionalAction, default=True, help="NVLink between ranks"
+        "--nvlink",
+        type=int,
+        default=None,
+        help="ranks per NVLink domain (default: the world size on one host, 1 with --init-method: "
+        "everything over RDMA)",
     )
     p.add_argument(
         "--tokens", type=int, nargs="+", default=[128], help="tokens per rank (several: one run each)"
@@ -187,6 +224,71 @@ class NcclAllToAll:
         return out.bfloat16()
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--engine-option NAME=VALUE`` as typed values (true/false, ints, floats, else strings)."""
+    out: dict[str, Any] = {"poll_mode": "busy"}
+    for item in args.engine_option:
+        name, _, text = item.partition("=")
+        value: Any = text
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(text)
+                    break
+                except ValueError:
+                    pass
+        out[name] = value
+    return out
+
+
+def remote_kwargs(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """The AllToAll arguments of the node layout (nothing when every rank is over NVLink)."""
+    if args.nvlink >= world:
+        return {}
+    return {
+        "nvlink": args.nvlink,
+        "nets_per_gpu": args.nets_per_gpu,
+        "provider": args.provider,
+        "private_tokens": args.private_tokens,
+        "engine_options": engine_options(args),
+    }
+
+
+def proxy_summary(a2a: Any) -> dict[str, Any]:
+    """The proxy's recorded costs since the last read (see the module documentation)."""
+    d, c = a2a.proxy_stats()
+    if not d:
+        return {}
+
+    def us(xs: list[dict[str, int]], key: str) -> dict[str, float]:
+        return percentiles([x[key] / 1000.0 for x in xs])
+
+    def mean(xs: list[float]) -> float:
+        return round(sum(xs) / len(xs), 3) if xs else 0.0
+
+    out: dict[str, Any] = {
+        "dispatch_calls": len(d),
+        "counts_signal_to_first_write_us": us(d, "counts_signal_to_first_write_ns"),
+        "dispatch_signal_to_first_write_us": us(d, "signal_to_first_write_ns"),
+        "dispatch_post_per_peer_us": us(d, "post_per_peer_ns"),
+        "dispatch_proxy_total_us": us(d, "total_ns"),
+        "dispatch_data_writes_per_peer": mean([x["data_writes"] / max(1, x["remote_peers"]) for x in d]),
+        "count_messages_per_call": mean([float(x["count_writes"]) for x in d]),
+    }
+    if c:
+        out.update(
+            {
+                "combine_calls": len(c),
+                "combine_signal_to_first_write_us": us(c, "signal_to_first_write_ns"),
+                "combine_post_per_peer_us": us(c, "post_per_peer_ns"),
+                "combine_writes_per_peer": mean([x["writes"] / max(1, x["remote_peers"]) for x in c]),
+            }
+        )
+    return out
+
+
 def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, world: int) -> dict[str, Any]:
     from fabric_lib.all_to_all import AllToAll
 
@@ -216,8 +318,22 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         experts_per_token=K,
         dispatch_dtype=dtype,
         max_tokens_per_expert=rows,
+        **remote_kwargs(args, world),
     )
     a2a = new_all_to_all()
+    side = torch.cuda.Stream() if args.provider == "shm" else None  # shm copies on the default stream
+    if side is not None:
+        torch.cuda.set_stream(side)
+    a2a.proxy_stats()  # start counting here
+    host: dict[str, list[float]] = {}
+
+    def on_host(name: str, fn: Any) -> Any:
+        """Times the call on the host: app call -> kernel enqueued."""
+        t0 = time.perf_counter_ns()
+        out = fn()
+        host.setdefault(name, []).append((time.perf_counter_ns() - t0) / 1000.0)
+        return out
+
     expert_out = torch.randn((L, rows, H), device="cuda").bfloat16()
     work_a = torch.randn((2048, 4096), device="cuda").bfloat16()
     work_b = torch.randn((4096, 4096), device="cuda").bfloat16()
@@ -232,10 +348,10 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
 
     # Back to back.
     for _ in range(args.warmup + args.iters):
-        timer.phase([lambda: a2a.dispatch(x, idx, scales=scales)])
+        timer.phase([lambda: on_host("dispatch", lambda: a2a.dispatch(x, idx, scales=scales))])
     record(["dispatch"])
     for _ in range(args.warmup + args.iters):
-        timer.phase([lambda: a2a.combine(expert_out, idx, w)])
+        timer.phase([lambda: on_host("combine", lambda: a2a.combine(expert_out, idx, w))])
     record(["combine"])
     # Halves split around a matmul.
     for _ in range(args.warmup + args.iters):
@@ -257,6 +373,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         )
     record(["combine_send", "work", "combine_recv"])
     a2a.check()
+    proxy = proxy_summary(a2a)
     max_err = combine_error(a2a)
     a2a.destroy()
 
@@ -280,7 +397,9 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         max_err = max(max_err, combine_error(sw))
         sw.destroy()
 
-    if not args.no_nccl:
+    if side is not None:
+        torch.cuda.set_stream(torch.cuda.default_stream())
+    if not args.no_nccl and dist.get_backend() == "nccl":
         nccl = NcclAllToAll(world, L)
         recv, state = nccl.dispatch(x, scales, idx)
         rows_back = torch.randn((recv.shape[0], H), device="cuda").bfloat16()
@@ -297,6 +416,10 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     worst = {k: [max(g[k][i] for g in gathered) for i in range(len(seg[k]))] for k in seg}
     errs: list[Any] = [None] * world
     dist.all_gather_object(errs, max_err)
+    proxies: list[Any] = [None] * world
+    dist.all_gather_object(proxies, proxy)
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, {k: percentiles(v[args.warmup :]) for k, v in host.items()})
     stats = {k: percentiles(v) for k, v in worst.items()}
     for k in ("dispatch", "combine"):
         send, recv = worst[f"{k}_send"], worst[f"{k}_recv"]
@@ -313,14 +436,25 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         "iters": args.iters,
         "max_combine_error": max(errs),
         "latency_us": stats,
+        "nvlink": args.nvlink,
+        "host_call_us": hosts,  # per rank: dispatch() / combine() on the host (app call -> enqueue)
+        "proxy": proxies,  # per rank: the proxy's own costs (empty without remote ranks)
     }
 
 
 def worker(_state: None, args: argparse.Namespace) -> None:
     """One rank (a launched one, or one of torchrun's): every configuration, rank 0 reports."""
     me = this_rank()
-    init_process_group("nccl", timeout=300, info=replace(me, init_method=args.init_method or me.init_method))
+    info = replace(me, init_method=args.init_method or me.init_method)
+    if args.shared_gpu:
+        # Several ranks per GPU (standing in for nodes): NCCL refuses them, gloo carries the group.
+        torch.cuda.set_device(me.local_rank % torch.cuda.device_count())
+        init_process_group("gloo", timeout=300, info=info)
+    else:
+        init_process_group("nccl", timeout=300, info=info)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.nvlink is None:
+        args.nvlink = world if args.init_method is None else 1
     results = []
     for T in args.tokens:
         for dt in args.dispatch_dtype:
@@ -337,6 +471,16 @@ def worker(_state: None, args: argparse.Namespace) -> None:
                 )
                 if "nccl_dispatch" in s:
                     line += f" | NCCL {s['nccl_dispatch']['p50']} / {s['nccl_combine']['p50']}"
+                px = res["proxy"][0]
+                if px:
+                    line += (
+                        f" | proxy: counts->1st write {px['counts_signal_to_first_write_us']['p50']} us, "
+                        f"packed->1st write {px['dispatch_signal_to_first_write_us']['p50']} us, "
+                        f"post/peer {px['dispatch_post_per_peer_us']['p50']} us, "
+                        f"writes/peer {px['dispatch_data_writes_per_peer']} (+1 counts) / "
+                        f"{px.get('combine_writes_per_peer', 0)}, "
+                        f"host call {res['host_call_us'][0]['dispatch']['p50']} us"
+                    )
                 sweep = [f"{k} {v['p50']}" for k, v in s.items() if "@" in k]
                 if sweep:
                     line += " | sweep " + ", ".join(sweep)
@@ -396,21 +540,55 @@ def plot(report: dict[str, Any], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def _node_rank(env: dict[str, str], args: argparse.Namespace) -> None:
+    """One rank of this node (spawned): the torchrun-style environment, then the worker."""
+    os.environ.update(env)
+    worker(None, args)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not args.nvlink:
-        sys.exit("only the NVLink path is implemented (remote RDMA ranks come with the CPU proxy)")
-    if args.node_rank != 0:
-        sys.exit("one host only: --node-rank must be 0 until the RDMA path exists")
+    args.shared_gpu = False
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         worker(None, args)  # under torchrun: this process is one rank
         return
     gpus = torch.cuda.device_count()
-    world = args.world_size or gpus
-    if world < 1 or world > gpus:
-        sys.exit(f"--world-size {world} needs that many GPUs on this host (found {gpus})")
-    with spawn_ranks(world, init_method=args.init_method, timeout=300) as ranks:
-        gather(ranks.submit_all(worker, args), timeout=args.timeout)
+    if args.node_rank is None:
+        world = args.world_size or gpus
+        if world < 1 or world > gpus:
+            sys.exit(f"--world-size {world} needs that many GPUs on this host (found {gpus})")
+        with spawn_ranks(world, init_method=args.init_method, timeout=300) as ranks:
+            gather(ranks.submit_all(worker, args), timeout=args.timeout)
+        return
+    # One node of several: start this node's ranks.
+    if args.init_method is None or args.world_size is None:
+        sys.exit("--node-rank needs --init-method and --world-size")
+    per_node = args.procs_per_node or gpus
+    if per_node < 1 or args.world_size % per_node:
+        sys.exit(f"--world-size {args.world_size} must be a multiple of the ranks per node ({per_node})")
+    args.shared_gpu = per_node > gpus
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i in range(per_node):
+        env = {
+            "RANK": str(args.node_rank * per_node + i),
+            "WORLD_SIZE": str(args.world_size),
+            "LOCAL_RANK": str(i),
+        }
+        proc = ctx.Process(target=_node_rank, args=(env, args), name=f"rank{env['RANK']}")
+        proc.start()
+        procs.append(proc)
+    deadline = time.monotonic() + args.timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    failed = [p.name for p in procs if p.exitcode != 0]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    if failed:
+        sys.exit(f"ranks failed or timed out: {failed}")
 
 
 if __name__ == "__main__":

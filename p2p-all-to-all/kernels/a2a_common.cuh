@@ -25,6 +25,21 @@
 //
 // Sequence numbers are kept per block (every launch of a kind has the same grid), so no block
 // waits for another one of its own launch: a block reads and advances its own counter.
+//
+// Remote ranks (other NVLink domains; src/remote.rs, src/proxy_block.rs, src/proxy.rs): peers[]
+// holds only the ranks of nvmask. For the others, dispatch send publishes its counts to the
+// proxy block (pub_tok, pub_hist, then dseq = n) before sending anything, packs each token once
+// per remote destination into dsend[p][d][j] (j claimed from rpack[p][d]; record, then header:
+// (token, slots), (local expert, position) per slot), and the last sending warp of the launch
+// raises ddone = n. The proxy moves the records into the destination's drecv (private quota,
+// then overflow), raises rcf[p][s] once every count message is in and rflag[p][s] once source
+// s's records are. Combine returns every (token, slot) row of a remote source unweighted, packed
+// per source (csend), and raises cdone; the source adds the k copies with its weights in fp32.
+//   state (more): rpack[2][W] u32, rdone[2] u32, cdone_blocks[2] u32, sslot[Tmax][K] int2 (expert,
+//     position) of my slots, hist[E] i32 (my rows per expert), rcnt[W][L] i32 (rows remote
+//     source s sent each local expert), rhdr[W][Tmax][K] int2 (local expert, position) of remote
+//     records' slots, weights[Tmax][K] f32 (my weights, for a separate combine receive),
+//     last_dseq u32 (the dispatch combine follows).
 #pragma once
 #include <stdint.h>
 
@@ -58,9 +73,17 @@ struct A2ACommon {
     uint64_t state, host, send_grid;
     uint64_t off_dcf, off_dcnt, off_dtf, off_hdr, off_data, off_cw, off_ctf, off_cdata;
     uint64_t st_seq, st_poison, st_my_tokens, st_recv_tokens, st_token_mask, st_map, st_queue;
-    uint64_t peers[A2A_MAX_PEERS];  // base of every rank's shared region in this process (own too)
+    // The RDMA half (see "Remote ranks" above); blk == 0: every rank is in nvmask (NVLink only).
+    uint64_t nvmask;  // ranks of this rank's NVLink domain (reached through peers[])
+    uint64_t blk;     // device address of the proxy block (mapped host memory)
+    uint64_t blk_dseq, blk_ddone, blk_cdone, blk_rcf, blk_rflag, blk_rovf, blk_crflag, blk_pub_tok, blk_pub_hist;
+    uint64_t blk_msg_in, msg_bytes;
+    uint64_t dsend, drecv, csend, crecv;  // device addresses of the remote-traffic buffers
+    uint64_t private_tokens, rrec_bytes, drecv_records, csend_rows, crecv_rows;
+    uint64_t st_rpack, st_rdone, st_cdone_blocks, st_sslot, st_hist, st_rcnt, st_rhdr, st_weights, st_last_dseq;
+    uint64_t peers[A2A_MAX_PEERS];  // base of every NVLink peer's shared region in this process (own too)
 };
-static_assert(sizeof(A2ACommon) == (30 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
+static_assert(sizeof(A2ACommon) == (61 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
 
 struct A2ADispatchSendArgs {
     A2ACommon c;
@@ -233,6 +256,71 @@ __device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t
 }
 
 __device__ __forceinline__ uint32_t lane_id() { return threadIdx.x & 31; }
+
+// Every kernel comes in two builds: R = false (every rank over NVLink: the remote code is
+// compiled out, so that path is what it was without the RDMA half) and R = true.
+template <bool R>
+__device__ __forceinline__ uint32_t nvmask_of(const A2ACommon& c) {
+    return R ? (uint32_t)c.nvmask : 0xffffffffu;
+}
+
+template <bool R>
+__device__ __forceinline__ bool is_nvlink(const A2ACommon& c, uint32_t r) {
+    return (nvmask_of<R>(c) >> r) & 1u;
+}
+
+__device__ __forceinline__ uint64_t* blk_u64(const A2ACommon& c, uint64_t off) {
+    return reinterpret_cast<uint64_t*>(c.blk + off);
+}
+
+// Loads of memory the NIC or the proxy writes (remote records, rows, count messages): volatile,
+// so no stale cached copy is read after the flag that guards them was acquired.
+__device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int2 ld_volatile_int2(const int2* p) {
+    int2 v;
+    asm volatile("ld.volatile.global.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Rows remote source s sends my local experts, from its count message of call parity par.
+__device__ __forceinline__ const uint32_t* msg_hist(const A2ACommon& c, uint32_t par, uint32_t s) {
+    const uint8_t* msg = reinterpret_cast<const uint8_t*>(c.blk + c.blk_msg_in) + ((uint64_t)par * c.world + s) * c.msg_bytes;
+    return reinterpret_cast<const uint32_t*>(msg + 8 + 4 * c.world) + c.rank * c.local_experts;
+}
+
+// Lane 0 of every sending warp of a launch calls this once, after its stores (and a __syncwarp):
+// returns true in exactly one of them, the last, once every warp's stores are visible at system
+// scope (each warp fences before it counts; `s_warps` counts the block's `nw` sending warps,
+// `blocks` the launch's blocks). The caller then resets `*blocks` (for the launch that uses it
+// next) and raises the proxy's flag.
+__device__ __forceinline__ bool last_sender(uint32_t* s_warps, uint32_t nw, uint32_t* blocks) {
+    __threadfence_system();
+    if (atomicAdd(s_warps, 1u) + 1 != nw) return false;
+    __threadfence_system();
+    if (atomicAdd(blocks, 1u) + 1 != gridDim.x) return false;
+    __threadfence_system();
+    return true;
+}
 
 // Warp-collective wait: every lane with `active` waits until the sequence number in the high half
 // of its own word *p reached `want`, with acquire semantics; `v` gets the word (the low half is

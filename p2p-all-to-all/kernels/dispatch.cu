@@ -81,6 +81,7 @@ struct SendCtx {
     uint32_t n, T, cs, ce;
     const int* pos;  // [ce - cs][K] shared: row of each (token, slot) among my rows of its expert
     uint32_t* next;  // shared: the block's next token to send (offset in its chunk)
+    uint32_t* wdone; // shared: the block's sending warps that finished (remote ranks only)
 };
 
 // Dynamic shared memory: base[E] i32 (rows of each expert before this block's tokens), hist[E]
@@ -88,6 +89,7 @@ struct SendCtx {
 //
 // Every thread of the block calls this; it ends with a block barrier. Block 0 publishes the
 // per-expert counts (and the token count) to every rank before any token is sent.
+template <bool R>
 __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendArgs& a, bool fused) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, E = (uint32_t)c.num_experts, K = (uint32_t)c.topk;
@@ -97,7 +99,9 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
     int* base = smem;
     int* hist = smem + E;
     int* pos = smem + 2 * E;
-    __shared__ uint32_t s_n, s_T, s_next;
+    __shared__ uint32_t s_n, s_T, s_next, s_wdone;
+    __shared__ uint32_t s_tokd[A2A_MAX_PEERS];  // block 0, remote ranks: tokens to each rank
+    constexpr bool remote = R;
 
     // Pull this block's first token (by the rows of x) into L2 while the prologue runs.
     {
@@ -123,6 +127,7 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
         const uint32_t n = sn + 1;
         *ss = n;
         s_next = 0;
+        if (remote) s_wdone = 0;
         if (fused) *rs = n;
         s_n = n;
         uint32_t T = (uint32_t)a.num_tokens;
@@ -138,6 +143,7 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
         if (blockIdx.x == 0) *reinterpret_cast<uint32_t*>(state_at(c, c.st_my_tokens)) = T;
     }
     for (uint32_t i = threadIdx.x; i < 2 * E; i += blockDim.x) smem[i] = 0;
+    if (remote && threadIdx.x < A2A_MAX_PEERS) s_tokd[threadIdx.x] = 0;
     __syncthreads();
     const uint32_t n = s_n, T = s_T, par = n & 1;
     const uint32_t chunk = (T + gridDim.x - 1) / gridDim.x;
@@ -146,25 +152,46 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
     // Histogram: block 0 of every (token, slot) (the counts it publishes), the other blocks of
     // those before their chunk (the base of their positions).
     count_experts(a, blockIdx.x == 0 ? T * K : (cs < ce ? cs * K : 0), blockIdx.x == 0 ? hist : base);
+    if (remote && blockIdx.x == 0) {
+        // Tokens (records) to each rank: what the proxy writes per remote rank.
+        for (uint32_t t = threadIdx.x; t < T; t += blockDim.x) {
+            uint32_t m = 0;
+            for (uint32_t j = 0; j < K; ++j) {
+                bool ignored = false;
+                const int e = load_expert(a, t, j, ignored);
+                if (e >= 0) m |= 1u << (e / (int)L);
+            }
+            for (; m; m &= m - 1) atomicAdd(&s_tokd[__ffs(m) - 1], 1u);
+        }
+    }
     __syncthreads();
 
     if (blockIdx.x == 0) {
         // Counts to every destination (its experts' rows from me), then its count flag.
         for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
             const uint32_t d = e / L, el = e % L;
-            dispatch_arrays(c, d, par).dcnt[me * L + el] = hist[e];
+            if (is_nvlink<R>(c, d)) dispatch_arrays(c, d, par).dcnt[me * L + el] = hist[e];
             if (a.publish_host_counts) {
                 reinterpret_cast<volatile uint32_t*>(c.host + 128)[e] = (uint32_t)hist[e];
             }
+            if (remote) {
+                reinterpret_cast<volatile uint32_t*>(c.blk + c.blk_pub_hist)[par * E + e] = (uint32_t)hist[e];
+                reinterpret_cast<int*>(state_at(c, c.st_hist))[e] = hist[e];
+            }
+        }
+        if (remote && threadIdx.x < W) {
+            reinterpret_cast<volatile uint32_t*>(c.blk + c.blk_pub_tok)[par * W + threadIdx.x] = s_tokd[threadIdx.x];
         }
         if (a.publish_host_counts && threadIdx.x == 0) {
             reinterpret_cast<volatile uint64_t*>(c.host + 64)[0] = n;
         }
         __syncthreads();
         // Release (cumulative through the barrier): the counts above are visible before the flag.
-        if (threadIdx.x < W) {
+        if (threadIdx.x < W && is_nvlink<R>(c, threadIdx.x)) {
             st_release_sys(dispatch_arrays(c, threadIdx.x, par).dcf + me, ((uint64_t)n << 32) | T);
         }
+        // The proxy sends the counts to every rank while the tokens are still being copied.
+        if (remote && threadIdx.x == 0) st_release_sys(blk_u64(c, c.blk_dseq), n);
     }
 
     // Positions of this chunk's (token, slot)s in (token, slot) order: one warp, 32 at a time.
@@ -180,7 +207,11 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
             __syncwarp();
             if (e >= 0 && (__ffs(peers) - 1) == (int)lane) base[e] += __popc(peers);
             __syncwarp();
-            if (i < end) pos[i - before] = p;
+            if (i < end) {
+                pos[i - before] = p;
+                // Where this slot's row comes back from a remote rank (combine receive).
+                if (remote) reinterpret_cast<int2*>(state_at(c, c.st_sslot))[i] = make_int2(e, p);
+            }
         }
     }
     __syncthreads();
@@ -191,6 +222,7 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
     x.ce = ce;
     x.pos = pos;
     x.next = &s_next;
+    x.wdone = &s_wdone;
     return x;
 }
 
@@ -205,6 +237,7 @@ struct TmaSlot {
 // header of each slot to the slot's rank, then (release) the token's flag to every rank, carrying
 // the slots that are that rank's (0: not for it). With a TmaSlot buffer, lane 0 loads the record
 // into shared memory with the bulk copy engine and stores it from there to every destination.
+template <bool R>
 __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_t n, uint32_t t, const int* pos_t, TmaSlot& tma) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, L = (uint32_t)c.local_experts;
@@ -216,18 +249,35 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
         p = pos_t[lane];
     }
     const int dst = e >= 0 ? e / (int)L : -1;
-    const uint32_t dmask = __reduce_or_sync(0xffffffffu, dst >= 0 ? 1u << dst : 0u);
+    const uint32_t all_dests = __reduce_or_sync(0xffffffffu, dst >= 0 ? 1u << dst : 0u);
     uint32_t my_slots = 0;  // lane d < W: the slots of t that go to rank d
     for (uint32_t d = 0; d < W; ++d) {
         const uint32_t m = __ballot_sync(0xffffffffu, dst == (int)d);
         if (lane == d) my_slots = m;
     }
-    if (lane == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_token_mask))[t] = dmask;
+    if (lane == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_token_mask))[t] = all_dests;
 
     const uint64_t slot = (uint64_t)me * c.max_tokens + t;
     const uint64_t par_data = (uint64_t)par * c.world * c.max_tokens * c.rec_bytes;
     const uint64_t rec_off = c.off_data + par_data + slot * c.rec_bytes;
-    if (dmask && tma.buf) {
+    // NVLink destinations get stores and flags; remote ones a record in dsend[par][d][j], j
+    // claimed by lane d (the proxy writes them on).
+    const uint32_t nvm = nvmask_of<R>(c);
+    const uint32_t dmask = all_dests & nvm, rmask = all_dests & ~nvm;
+    uint32_t my_j = 0;
+    if (R && rmask && lane < W && ((rmask >> lane) & 1u)) {
+        my_j = atomicAdd(reinterpret_cast<uint32_t*>(state_at(c, c.st_rpack)) + par * W + lane, 1u);
+    }
+    auto remote_rec = [&](uint32_t d) {
+        const uint32_t j = __shfl_sync(0xffffffffu, my_j, d);
+        return reinterpret_cast<uint8_t*>(c.dsend) + (((uint64_t)par * W + d) * c.max_tokens + j) * c.rrec_bytes;
+    };
+    // Every destination of the token: NVLink peers' records, then remote records.
+    const uint32_t every = dmask | rmask;
+    auto rec_of = [&](uint32_t d) { return (nvm >> d) & 1u ? shared_of(c, d) + rec_off : remote_rec(d); };
+
+    const bool use_tma = dmask && tma.buf && !rmask;  // the host enables TMA only without remote ranks
+    if (use_tma) {
         // The host enables this path only when the scales (if any) are 16-byte rows.
         const uint32_t dbytes = (uint32_t)c.data_bytes, sbytes = (uint32_t)c.num_scales * 4;
         if (lane == 0) {
@@ -247,11 +297,11 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
             }
             tma_commit();
         }
-        if (dst >= 0) {
+        if (dst >= 0 && ((nvm >> dst) & 1u)) {
             dispatch_arrays(c, dst, par).hdr[slot * K + lane] = make_int2(e % (int)L, p);
         }
         if (lane == 0) tma_wait_writes();  // also frees the buffer for the next token
-    } else if (dmask) {
+    } else if (every) {
         const int4* src = reinterpret_cast<const int4*>(a.x + (uint64_t)t * a.x_stride);
         const uint32_t nvec = (uint32_t)(c.data_bytes / 16);
         for (uint32_t v0 = 0; v0 < nvec; v0 += 32 * A2A_SEND_VPL) {
@@ -261,9 +311,9 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
                 const uint32_t k = v0 + u * 32 + lane;
                 if (k < nvec) v[u] = __ldg(src + k);
             }
-            for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+            for (uint32_t rem = every; rem; rem &= rem - 1) {
                 const uint32_t d = __ffs(rem) - 1;
-                int4* out = reinterpret_cast<int4*>(shared_of(c, d) + rec_off);
+                int4* out = reinterpret_cast<int4*>(rec_of(d));
 #pragma unroll
                 for (int u = 0; u < A2A_SEND_VPL; ++u) {
                     const uint32_t k = v0 + u * 32 + lane;
@@ -277,36 +327,45 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
             if (((a.scales | a.scales_stride) & 15) == 0 && (S & 3) == 0) {
                 for (uint32_t q = lane; q < S / 4; q += 32) {
                     const int4 val = __ldg(reinterpret_cast<const int4*>(sc) + q);
-                    for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+                    for (uint32_t rem = every; rem; rem &= rem - 1) {
                         const uint32_t d = __ffs(rem) - 1;
-                        reinterpret_cast<int4*>(shared_of(c, d) + rec_off + c.data_bytes)[q] = val;
+                        reinterpret_cast<int4*>(rec_of(d) + c.data_bytes)[q] = val;
                     }
                 }
             } else {
                 for (uint32_t q = lane; q < S; q += 32) {
                     const float val = __ldg(reinterpret_cast<const float*>(sc) + q);
-                    for (uint32_t rem = dmask; rem; rem &= rem - 1) {
+                    for (uint32_t rem = every; rem; rem &= rem - 1) {
                         const uint32_t d = __ffs(rem) - 1;
-                        reinterpret_cast<float*>(shared_of(c, d) + rec_off + c.data_bytes)[q] = val;
+                        reinterpret_cast<float*>(rec_of(d) + c.data_bytes)[q] = val;
                     }
                 }
             }
         }
-        if (dst >= 0) {
+        if (dst >= 0 && ((nvm >> dst) & 1u)) {
             dispatch_arrays(c, dst, par).hdr[slot * K + lane] = make_int2(e % (int)L, p);
+        }
+        // Remote records carry their header after the record: (token, slots), then per slot
+        // (local expert, position) or (-1, -1).
+        for (uint32_t rem = rmask; rem; rem &= rem - 1) {
+            const uint32_t d = __ffs(rem) - 1;
+            int2* h = reinterpret_cast<int2*>(remote_rec(d) + c.rec_bytes);
+            const uint32_t sl = __shfl_sync(0xffffffffu, my_slots, d);
+            if (lane == 0) h[0] = make_int2((int)t, (int)sl);
+            if (lane < K) h[1 + lane] = dst == (int)d ? make_int2(e % (int)L, p) : make_int2(-1, -1);
         }
     }
     // Every lane's stores above are ordered before the release by the barrier; the release is
     // cumulative, so each rank sees the token's values, scales and headers before its flag.
     __syncwarp();
-    if (dmask && tma.buf) {
+    if (use_tma) {
         // Lane 0 saw its bulk stores complete: it releases every rank's flag itself.
         if (lane == 0) fence_acq_rel_sys();
         for (uint32_t d = 0; d < W; ++d) {
             const uint32_t sl = __shfl_sync(0xffffffffu, my_slots, d);
-            if (lane == 0) st_relaxed_sys(dispatch_arrays(c, d, par).dtf + slot, ((uint64_t)n << 32) | sl);
+            if (lane == 0 && ((nvm >> d) & 1u)) st_relaxed_sys(dispatch_arrays(c, d, par).dtf + slot, ((uint64_t)n << 32) | sl);
         }
-    } else if (lane < W) {
+    } else if (lane < W && ((nvm >> lane) & 1u)) {
         st_release_sys(dispatch_arrays(c, lane, par).dtf + slot, ((uint64_t)n << 32) | my_slots);
     }
 }
@@ -316,6 +375,7 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
 // ... per warp ended the prefill dispatch 6 us later: releases wait behind the NVLink queue for
 // longer on some warps than on others.)
 // tma_smem: see A2ADispatchArgs (0: registers).
+template <bool R>
 __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& a, const SendCtx& x, uint32_t wi, uint32_t nw,
                                                      uint64_t tma_smem) {
     const uint32_t K = (uint32_t)a.c.topk;
@@ -333,7 +393,19 @@ __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& 
         if (lane_id() == 0) k = atomicAdd(x.next, 1u);
         const uint32_t t = x.cs + __shfl_sync(0xffffffffu, k, 0);
         if (t >= x.ce) break;
-        send_token(a, x.n, t, x.pos + (t - x.cs) * K, tma);
+        send_token<R>(a, x.n, t, x.pos + (t - x.cs) * K, tma);
+    }
+    if (R) {
+        // The last sending warp of the launch tells the proxy that every remote record is packed.
+        __syncwarp();
+        const uint32_t par = x.n & 1;
+        uint32_t* rdone = reinterpret_cast<uint32_t*>(state_at(a.c, a.c.st_rdone)) + par;
+        if (lane_id() == 0 && last_sender(x.wdone, nw, rdone)) {
+            uint32_t* rpack = reinterpret_cast<uint32_t*>(state_at(a.c, a.c.st_rpack)) + par * a.c.world;
+            for (uint32_t d = 0; d < a.c.world; ++d) rpack[d] = 0;  // for call n + 2
+            *rdone = 0;
+            st_release_sys(blk_u64(a.c, a.c.blk_ddone), x.n);
+        }
     }
 }
 
@@ -342,6 +414,7 @@ __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& 
 // chunk) in the order the senders produce them, each as soon as its token's flag is up: copy the
 // chunk into its rows of the expert-major output, and record the (source, token, slot) -> row map
 // for combine. No barrier involves warps outside [first_warp, A2A_WARPS).
+template <bool R>
 __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a, uint32_t n, uint32_t first_warp) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, L = (uint32_t)c.local_experts;
@@ -351,12 +424,15 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
     const uint32_t nrw = A2A_WARPS - first_warp, nrt = nrw * 32, rt = threadIdx.x - first_warp * 32;
     __shared__ int s_off[1024];  // [L][W]: L * W = num_experts <= MAX_EXPERTS (src/config.rs)
     __shared__ uint32_t s_T[A2A_MAX_PEERS], s_ok[A2A_MAX_PEERS], s_chunk[A2A_MAX_PEERS];
-    __shared__ uint32_t s_cmax;
+    __shared__ uint32_t s_cmax, s_rpre[A2A_MAX_PEERS + 1];
     const uint32_t par = n & 1;
     const DispatchArrays mine = dispatch_arrays(c, me, par);
 
     if (rt < W) {
-        const uint64_t v = wait_flag(c, mine.dcf + rt, n);
+        // NVLink sources: (seq, tokens) from the source itself; remote ones: (seq, records) from
+        // the proxy once every count message is in.
+        const uint64_t* flag = is_nvlink<R>(c, rt) ? mine.dcf + rt : blk_u64(c, c.blk_rcf) + par * W + rt;
+        const uint64_t v = wait_flag(c, flag, n);
         s_ok[rt] = v != 0;
         s_T[rt] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
         if (blockIdx.x == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[rt] = s_T[rt];
@@ -365,7 +441,15 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
     // Every (local expert, source) count at once, then each expert's prefix over sources.
     for (uint32_t i = rt; i < L * W; i += nrt) {
         const uint32_t el = i / W, s = i % W;
-        s_off[i] = s_ok[s] ? __ldcg(mine.dcnt + s * L + el) : 0;
+        int cnt = 0;
+        if (s_ok[s] && is_nvlink<R>(c, s)) {
+            cnt = __ldcg(mine.dcnt + s * L + el);
+        } else if (s_ok[s]) {
+            cnt = (int)ld_volatile_u32(msg_hist(c, par, s) + el);
+            // Combine returns rows to remote sources packed by these counts.
+            if (blockIdx.x == 0) reinterpret_cast<int*>(state_at(c, c.st_rcnt))[s * L + el] = cnt;
+        }
+        s_off[i] = cnt;
     }
     bar_sync(1, nrt);
     for (uint32_t el = rt; el < L; el += nrt) {
@@ -384,13 +468,20 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
         }
     }
     if (rt == 0) {
-        uint32_t cmax = 0;
+        uint32_t cmax = 0, rpre = 0;
         for (uint32_t s = 0; s < W; ++s) {
-            const uint32_t ch = (s_T[s] + G - 1) / G;  // the source's tokens per sending block
+            // The source's tokens per sending block (NVLink); remote records are items of their own.
+            const uint32_t ch = is_nvlink<R>(c, s) ? (s_T[s] + G - 1) / G : 0;
             s_chunk[s] = ch;
             cmax = max(cmax, ch);
+            if (R) s_rpre[s] = rpre;
+            rpre += is_nvlink<R>(c, s) ? 0 : s_T[s];
         }
         s_cmax = cmax;
+        if (R) {
+            s_rpre[W] = rpre;
+            if (blockIdx.x == 0) *reinterpret_cast<uint32_t*>(state_at(c, c.st_last_dseq)) = n;
+        }
     }
     bar_sync(1, nrt);
 
@@ -470,14 +561,92 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
             }
         }
     }
+
+    // Remote sources: items (record, 2 KiB chunk), records of source s numbered from s_rpre[s].
+    // All of a source's records are there once its rflag is up (each warp acquires it once).
+    if (!R || s_rpre[W] == 0) return;
+    const uint32_t ritems = s_rpre[W] * nch;
+    const uint64_t Q = c.private_tokens;
+    uint32_t ready = 0;
+    for (uint32_t it = gw; it < ritems; it += gws) {
+        const uint32_t rec_no = it / nch, ch = it % nch;
+        uint32_t s = 0;
+        while (s + 1 < W && rec_no >= s_rpre[s + 1]) ++s;
+        const uint32_t j = rec_no - s_rpre[s];
+        if (!((ready >> s) & 1u)) {
+            if (wait_flag(c, blk_u64(c, c.blk_rflag) + par * W + s, n) == 0) continue;  // timed out (reported)
+            ready |= 1u << s;
+        }
+        uint64_t at = (uint64_t)par * c.drecv_records;
+        if (j < Q) {
+            at += (uint64_t)s * Q + j;
+        } else {
+            at += (uint64_t)W * Q + ld_volatile_u64(blk_u64(c, c.blk_rovf) + par * W + s) + (j - Q);
+        }
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(c.drecv) + at * c.rrec_bytes;
+        const int2* hdr = reinterpret_cast<const int2*>(rec + c.rec_bytes);
+        const uint32_t slots = (uint32_t)ld_volatile_int2(hdr).y;
+        const uint64_t rslot = (uint64_t)s * c.max_tokens + j;  // combine's index of this record
+        int row = A2A_NOT_MINE;
+        int2 h = make_int2(-1, -1);
+        if (lane < K && ((slots >> lane) & 1u)) {
+            h = ld_volatile_int2(hdr + 1 + lane);
+            row = A2A_DROPPED;
+            if (h.x >= 0 && (uint32_t)h.x < L && h.y >= 0) {
+                const int rr = s_off[h.x * W + s] + h.y;
+                if (rr < (int)max_rows) {
+                    row = h.x * (int)max_rows + rr;
+                } else if (ch == 0) {
+                    set_error(c, A2A_ERR_EXPERT_OVERFLOW);
+                }
+            } else {
+                h = make_int2(-1, -1);
+            }
+        }
+        if (ch == 0 && lane < K) {
+            map[rslot * K + lane] = row;
+            reinterpret_cast<int2*>(state_at(c, c.st_rhdr))[rslot * K + lane] = h;
+        }
+        const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
+        if (m == 0) continue;
+        const int4* src = reinterpret_cast<const int4*>(rec);
+        const uint32_t v0 = ch * A2A_CHUNK_VECS, v1 = min(v0 + A2A_CHUNK_VECS, nvec);
+        int4 val[A2A_CHUNK_VECS / 32];
+#pragma unroll
+        for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
+            const uint32_t k = v0 + lane + u * 32;
+            if (k < v1) val[u] = ld_volatile_v4(src + k);
+        }
+        for (unsigned rem = m; rem; rem &= rem - 1) {
+            const int rj = __shfl_sync(0xffffffffu, row, __ffs(rem) - 1);
+            int4* out = reinterpret_cast<int4*>(a.out_x + (uint64_t)rj * c.data_bytes);
+#pragma unroll
+            for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u) {
+                const uint32_t k = v0 + lane + u * 32;
+                if (k < v1) out[k] = val[u];
+            }
+        }
+        if (ch == 0 && S) {
+            const uint8_t* si = rec + c.data_bytes;
+            for (unsigned rem = m; rem; rem &= rem - 1) {
+                const int rj = __shfl_sync(0xffffffffu, row, __ffs(rem) - 1);
+                float* so = reinterpret_cast<float*>(a.out_scales) + (uint64_t)rj * S;
+                for (uint32_t q = lane; q < S; q += 32) {
+                    so[q] = __uint_as_float(ld_volatile_u32(reinterpret_cast<const uint32_t*>(si) + q));
+                }
+            }
+        }
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) {
-    const SendCtx x = dispatch_send_prologue(a, false);
-    dispatch_send_tokens(a, x, threadIdx.x / 32, A2A_WARPS, 0);
+template <bool R>
+__device__ __forceinline__ void a2a_dispatch_send_body(const A2ADispatchSendArgs& a) {
+    const SendCtx x = dispatch_send_prologue<R>(a, false);
+    dispatch_send_tokens<R>(a, x, threadIdx.x / 32, A2A_WARPS, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2ADispatchRecvArgs a) {
+template <bool R>
+__device__ __forceinline__ void a2a_dispatch_recv_body(const A2ADispatchRecvArgs& a) {
     __shared__ uint32_t s_n;
     if (threadIdx.x == 0) {
         uint32_t* rs = seq_slot(a.c, A2A_DISPATCH_RECV);
@@ -485,7 +654,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2A
         *rs = s_n;
     }
     __syncthreads();
-    dispatch_recv_body(a, s_n, 0);
+    dispatch_recv_body<R>(a, s_n, 0);
 }
 
 // Both halves in one launch. With send_warps < A2A_WARPS, warps [0, send_warps) of every block
@@ -494,16 +663,25 @@ extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2A
 // No warp waits for another block of its own launch; receivers wait for peers' flags, which
 // peers raise from their send parts (no waits there). The grid is two blocks per multiprocessor,
 // resident together when the GPU runs nothing else.
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch(const A2ADispatchArgs a) {
-    const SendCtx x = dispatch_send_prologue(a.send, true);
+template <bool R>
+__device__ __forceinline__ void a2a_dispatch_body(const A2ADispatchArgs& a) {
+    const SendCtx x = dispatch_send_prologue<R>(a.send, true);
     const uint32_t warp = threadIdx.x / 32;
     const uint32_t S = (uint32_t)a.send_warps;
     if (S == 0 || S >= A2A_WARPS) {
-        dispatch_send_tokens(a.send, x, warp, A2A_WARPS, 0);
-        dispatch_recv_body(a.recv, x.n, 0);
+        dispatch_send_tokens<R>(a.send, x, warp, A2A_WARPS, 0);
+        dispatch_recv_body<R>(a.recv, x.n, 0);
     } else if (warp < S) {
-        dispatch_send_tokens(a.send, x, warp, S, a.tma_smem);
+        dispatch_send_tokens<R>(a.send, x, warp, S, a.tma_smem);
     } else {
-        dispatch_recv_body(a.recv, x.n, S);
+        dispatch_recv_body<R>(a.recv, x.n, S);
     }
 }
+
+// The two builds of every kernel (see nvmask_of in a2a_common.cuh); the host picks one per object.
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<false>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send_remote(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2ADispatchRecvArgs a) { a2a_dispatch_recv_body<false>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv_remote(const A2ADispatchRecvArgs a) { a2a_dispatch_recv_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch(const A2ADispatchArgs a) { a2a_dispatch_body<false>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_remote(const A2ADispatchArgs a) { a2a_dispatch_body<true>(a); }

@@ -13,6 +13,9 @@ use crate::{
         CombineParams, CombineRecvParams, CombineSendParams, Common, DispatchParams, DispatchRecvParams,
         DispatchSendParams,
     },
+    proxy::{CombineSample, DispatchSample},
+    remote::{RemoteLayout, Topology},
+    remote_path::{RemoteOptions, RemotePath},
 };
 
 /// Errors the kernels report through the host block (bit `i` of [`AllToAll::errors`]).
@@ -27,6 +30,9 @@ pub mod device_error {
     pub const EXPERT_OVERFLOW: u32 = 1 << 3;
     /// A send half ran again before the receive half of the previous call (results undefined).
     pub const CALL_ORDER: u32 = 1 << 4;
+    /// The proxy that carries remote ranks' traffic failed (a write failed); the object is
+    /// unusable afterwards.
+    pub const PROXY: u32 = 1 << 5;
 }
 
 /// Warps per block of every kernel.
@@ -60,7 +66,7 @@ fn env_warps(name: &str) -> Option<u32> {
     (1..=WARPS).contains(&v).then_some(v)
 }
 
-const HANDLE_MAGIC: &[u8; 4] = b"A2A2";
+const HANDLE_MAGIC: &[u8; 4] = b"A2A3";
 const HANDLE_WORDS: usize = 6;
 const HANDLE_LEN: usize = 4 + 8 * HANDLE_WORDS + 64;
 /// Dynamic shared memory of the dispatch send part: 48 KiB per block without opting in, less
@@ -139,6 +145,8 @@ pub struct CombineRecv {
 pub struct AllToAll {
     cfg: Config,
     layout: Layout,
+    // Declared before the buffers: dropped first (the proxy stops before the kernels' memory goes).
+    remote: Option<RemotePath>,
     // Declared before the buffers: dropped (closed) first.
     peers: Vec<IpcMapping>,
     kernels: Kernels,
@@ -156,9 +164,20 @@ pub struct AllToAll {
 }
 
 impl AllToAll {
-    /// Allocates this rank's buffers on `device` (zeroed) and loads the kernels.
+    /// Allocates this rank's buffers on `device` (zeroed) and loads the kernels; every rank is
+    /// reached over NVLink.
     pub fn new(device: usize, cfg: Config) -> Result<Self> {
+        Self::with_remote(device, cfg, None)
+    }
+
+    /// [`AllToAll::new`] where ranks outside this rank's NVLink domain (`remote.nvlink`
+    /// consecutive ranks) are reached through a TransferEngine and a proxy thread.
+    pub fn with_remote(device: usize, cfg: Config, remote: Option<RemoteOptions>) -> Result<Self> {
         cfg.validate()?;
+        let topo = Topology::new(cfg.world_size, remote.as_ref().map_or(cfg.world_size, |r| r.nvlink))?;
+        if topo.has_remote() && cfg.world_size > 256 {
+            return Err(invalid!("remote ranks: at most 256 ranks"));
+        }
         let ctx = Context::new(device)?;
         let sms = ctx.device().multiprocessor_count()?;
         // Dispatch kernels run two blocks per multiprocessor (few registers, latency-bound);
@@ -180,8 +199,10 @@ impl AllToAll {
             ));
         }
         let layout = Layout::new(&cfg);
-        let kernels = Kernels::load(&ctx)?;
-        let tma = std::env::var(ENV_TMA).is_ok_and(|v| v.trim() == "1")
+        let kernels = Kernels::load(&ctx, topo.has_remote() && remote.is_some())?;
+        // Tokens to remote ranks are packed by the register path only.
+        let tma = !topo.has_remote()
+            && std::env::var(ENV_TMA).is_ok_and(|v| v.trim() == "1")
             && kernels.dispatch.set_max_dynamic_shared_bytes(DISPATCH_MAX_DYNAMIC_SHARED as u32).is_ok();
         let shared = DeviceBuffer::new(&ctx, layout.shared_bytes)?;
         let state = DeviceBuffer::new(&ctx, layout.state_bytes)?;
@@ -193,9 +214,25 @@ impl AllToAll {
             stream.memset_d8_async(state.ptr(), 0, layout.state_bytes)?;
         }
         stream.synchronize()?;
+        let remote = match remote {
+            Some(opts) if topo.has_remote() => {
+                let rl = RemoteLayout::new(
+                    cfg.world_size,
+                    cfg.num_experts,
+                    cfg.experts_per_token,
+                    cfg.max_num_tokens,
+                    opts.private_tokens,
+                    layout.rec_bytes,
+                    cfg.hidden,
+                );
+                Some(RemotePath::new(&ctx, device, cfg.rank, topo, rl, &opts)?)
+            }
+            _ => None,
+        };
         Ok(AllToAll {
             cfg,
             layout,
+            remote,
             peers: Vec::new(),
             kernels,
             shared,
@@ -248,7 +285,20 @@ impl AllToAll {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(&export.handle.0);
+        if let Some(remote) = &self.remote {
+            out.extend_from_slice(&remote.export());
+        }
         Ok(out)
+    }
+
+    /// The RDMA half, when some ranks are remote.
+    pub fn remote(&self) -> Option<&RemotePath> {
+        self.remote.as_ref()
+    }
+
+    /// The proxy's recorded costs of recent calls (and clears them); empty without remote ranks.
+    pub fn proxy_samples(&self) -> (Vec<DispatchSample>, Vec<CombineSample>) {
+        self.remote.as_ref().map(|r| r.take_samples()).unwrap_or_default()
     }
 
     /// Maps every peer's buffers; `handles[r]` is rank r's [`AllToAll::export_handle`] (this
@@ -276,7 +326,14 @@ impl AllToAll {
                     self.layout.shared_bytes
                 ));
             }
-            if h.dispatch_grid != self.dispatch_grid as u64 {
+            if self.remote.is_none() && bytes.len() > HANDLE_LEN {
+                return Err(invalid!(
+                    "rank {r} reaches some ranks through the engine (nvlink below the world size) and this \
+                     rank does not: every rank must use the same nvlink"
+                ));
+            }
+            let nvlink_peer = !self.remote.as_ref().is_some_and(|rp| rp.topo.is_remote(self.cfg.rank, r));
+            if nvlink_peer && h.dispatch_grid != self.dispatch_grid as u64 {
                 return Err(invalid!(
                     "rank {r} launches {} dispatch blocks, this rank {}: every GPU of the group must \
                      have the same number of multiprocessors",
@@ -288,9 +345,44 @@ impl AllToAll {
                 peer_ptrs[r] = self.shared.ptr();
                 continue;
             }
+            if !nvlink_peer {
+                continue; // reached through the engine (may be on another host)
+            }
             let mapping = IpcMapping::open(&self.ctx, &IpcMemHandle(h.handle))?;
             peer_ptrs[r] = mapping.ptr() + h.offset;
             peers.push(mapping);
+        }
+        let mut nvmask = (1u64 << w) - 1;
+        let mut rc = RemoteCommon::default();
+        if let Some(rp) = &mut self.remote {
+            let exports: Vec<&[u8]> = handles.iter().map(|b| &b[HANDLE_LEN..]).collect();
+            rp.connect(&exports)?;
+            nvmask = u64::from(rp.topo.nvlink_mask(self.cfg.rank));
+            let [blk, dsend, drecv, csend, crecv] = rp.device_ptrs();
+            let (b, rl) = (&rp.block, &rp.layout);
+            rc = RemoteCommon {
+                blk,
+                blk_dseq: b.dseq as u64,
+                blk_ddone: b.ddone as u64,
+                blk_cdone: b.cdone as u64,
+                blk_rcf: b.rcf as u64,
+                blk_rflag: b.rflag as u64,
+                blk_rovf: b.rovf as u64,
+                blk_crflag: b.crflag as u64,
+                blk_pub_tok: b.pub_tok as u64,
+                blk_pub_hist: b.pub_hist as u64,
+                blk_msg_in: b.msg_in as u64,
+                msg_bytes: b.msg_bytes as u64,
+                dsend,
+                drecv,
+                csend,
+                crecv,
+                private_tokens: rl.private_tokens as u64,
+                rrec_bytes: rl.rrec_bytes as u64,
+                drecv_records: rl.drecv_records() as u64,
+                csend_rows: rl.csend_rows as u64,
+                crecv_rows: rl.crecv_rows as u64,
+            };
         }
         let (c, l) = (&self.cfg, &self.layout);
         self.common = Some(Common {
@@ -324,6 +416,37 @@ impl AllToAll {
             st_token_mask: l.st_token_mask as u64,
             st_map: l.st_map as u64,
             st_queue: l.st_queue as u64,
+            nvmask,
+            blk: rc.blk,
+            blk_dseq: rc.blk_dseq,
+            blk_ddone: rc.blk_ddone,
+            blk_cdone: rc.blk_cdone,
+            blk_rcf: rc.blk_rcf,
+            blk_rflag: rc.blk_rflag,
+            blk_rovf: rc.blk_rovf,
+            blk_crflag: rc.blk_crflag,
+            blk_pub_tok: rc.blk_pub_tok,
+            blk_pub_hist: rc.blk_pub_hist,
+            blk_msg_in: rc.blk_msg_in,
+            msg_bytes: rc.msg_bytes,
+            dsend: rc.dsend,
+            drecv: rc.drecv,
+            csend: rc.csend,
+            crecv: rc.crecv,
+            private_tokens: rc.private_tokens,
+            rrec_bytes: rc.rrec_bytes,
+            drecv_records: rc.drecv_records,
+            csend_rows: rc.csend_rows,
+            crecv_rows: rc.crecv_rows,
+            st_rpack: l.st_rpack as u64,
+            st_rdone: l.st_rdone as u64,
+            st_cdone_blocks: l.st_cdone_blocks as u64,
+            st_sslot: l.st_sslot as u64,
+            st_hist: l.st_hist as u64,
+            st_rcnt: l.st_rcnt as u64,
+            st_rhdr: l.st_rhdr as u64,
+            st_weights: l.st_weights as u64,
+            st_last_dseq: l.st_last_dseq as u64,
             peers: peer_ptrs,
         });
         self.peers = peers;
@@ -566,9 +689,15 @@ impl AllToAll {
     /// Errors reported by kernels so far (bits of [`device_error`]); read without synchronizing,
     /// so a launch still running may add more.
     pub fn errors(&self) -> u32 {
+        let proxy = self.remote.as_ref().is_some_and(|r| r.error().is_some());
         (0..NUM_ERROR_WORDS)
             .filter(|&i| self.host.atomic_u32(i).load(Ordering::Acquire) != 0)
-            .fold(0, |acc, i| acc | (1 << i))
+            .fold(if proxy { device_error::PROXY } else { 0 }, |acc, i| acc | (1 << i))
+    }
+
+    /// What the proxy reported when [`device_error::PROXY`] is set.
+    pub fn proxy_error(&self) -> Option<String> {
+        self.remote.as_ref().and_then(|r| r.error())
     }
 
     /// Clears the reported errors except [`device_error::TIMEOUT`] (a timed-out object stays
@@ -606,8 +735,36 @@ struct Handle {
     handle: [u8; 64],
 }
 
+/// The remote half of [`Common`] (zero without remote ranks).
+#[derive(Default)]
+struct RemoteCommon {
+    blk: u64,
+    blk_dseq: u64,
+    blk_ddone: u64,
+    blk_cdone: u64,
+    blk_rcf: u64,
+    blk_rflag: u64,
+    blk_rovf: u64,
+    blk_crflag: u64,
+    blk_pub_tok: u64,
+    blk_pub_hist: u64,
+    blk_msg_in: u64,
+    msg_bytes: u64,
+    dsend: u64,
+    drecv: u64,
+    csend: u64,
+    crecv: u64,
+    private_tokens: u64,
+    rrec_bytes: u64,
+    drecv_records: u64,
+    csend_rows: u64,
+    crecv_rows: u64,
+}
+
+/// Decodes the NVLink part of a handle (the first `HANDLE_LEN` bytes; the RDMA half's regions
+/// follow when ranks are remote).
 fn decode_handle(bytes: &[u8]) -> Result<Handle> {
-    if bytes.len() != HANDLE_LEN || &bytes[..4] != HANDLE_MAGIC {
+    if bytes.len() < HANDLE_LEN || &bytes[..4] != HANDLE_MAGIC {
         return Err(invalid!("not an all-to-all handle ({} bytes)", bytes.len()));
     }
     let word = |i: usize| {
@@ -616,7 +773,7 @@ fn decode_handle(bytes: &[u8]) -> Result<Handle> {
         u64::from_le_bytes(b)
     };
     let mut handle = [0u8; 64];
-    handle.copy_from_slice(&bytes[4 + 8 * HANDLE_WORDS..]);
+    handle.copy_from_slice(&bytes[4 + 8 * HANDLE_WORDS..HANDLE_LEN]);
     Ok(Handle {
         rank: word(0) as usize,
         world: word(1) as usize,

@@ -14,6 +14,9 @@ pub enum A2aError {
     /// The object is used before [`crate::AllToAll::connect`] or after a peer was lost.
     #[error("not connected: {0}")]
     NotConnected(String),
+    /// The TransferEngine that carries traffic to remote ranks failed.
+    #[error(transparent)]
+    Fabric(#[from] fabric_lib::FabricError),
 }
 
 /// `Result` with [`A2aError`].

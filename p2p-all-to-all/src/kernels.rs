@@ -21,16 +21,19 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Loads the embedded fatbin into `ctx`.
-    pub fn load(ctx: &Arc<Context>) -> Result<Self> {
+    /// Loads the embedded fatbin into `ctx`: the build with the RDMA half (`remote`) or the one
+    /// where every rank is reached over NVLink (the remote code compiled out).
+    pub fn load(ctx: &Arc<Context>, remote: bool) -> Result<Self> {
         let module = Module::load(ctx, kernel_image()?)?;
+        let suffix = if remote { "_remote" } else { "" };
+        let f = |name: &str| module.function(&format!("{name}{suffix}"));
         Ok(Kernels {
-            dispatch_send: module.function("a2a_dispatch_send")?,
-            dispatch_recv: module.function("a2a_dispatch_recv")?,
-            combine_send: module.function("a2a_combine_send")?,
-            combine_recv: module.function("a2a_combine_recv")?,
-            dispatch: module.function("a2a_dispatch")?,
-            combine: module.function("a2a_combine")?,
+            dispatch_send: f("a2a_dispatch_send")?,
+            dispatch_recv: f("a2a_dispatch_recv")?,
+            combine_send: f("a2a_combine_send")?,
+            combine_recv: f("a2a_combine_recv")?,
+            dispatch: f("a2a_dispatch")?,
+            combine: f("a2a_combine")?,
         })
     }
 

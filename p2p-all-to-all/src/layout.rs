@@ -76,6 +76,24 @@ pub struct Layout {
     pub st_map: usize,
     /// `queue[2]` u32: the combine senders' work counters, by call parity.
     pub st_queue: usize,
+    /// Remote ranks (`kernels/a2a_common.cuh`): `rpack[2][W]` u32 records claimed per destination.
+    pub st_rpack: usize,
+    /// `rdone[2]` u32: dispatch send blocks done with their remote records.
+    pub st_rdone: usize,
+    /// `cdone_blocks[2]` u32: combine send blocks done with their remote rows.
+    pub st_cdone_blocks: usize,
+    /// `sslot[Tmax][K]` (i32, i32): (expert, position) of my slots.
+    pub st_sslot: usize,
+    /// `hist[E]` i32: my rows per expert.
+    pub st_hist: usize,
+    /// `rcnt[W][L]` i32: rows each remote source sent each local expert.
+    pub st_rcnt: usize,
+    /// `rhdr[W][Tmax][K]` (i32, i32): (local expert, position) of remote records' slots.
+    pub st_rhdr: usize,
+    /// `weights[Tmax][K]` f32: my top-k weights of the last combine.
+    pub st_weights: usize,
+    /// `last_dseq` u32: the last dispatch received.
+    pub st_last_dseq: usize,
     /// Size of the pinned host block.
     pub host_bytes: usize,
 }
@@ -106,6 +124,15 @@ impl Layout {
         let st_token_mask = state.take(4 * t);
         let st_map = state.take(4 * w * t * k);
         let st_queue = state.take(4 * 2);
+        let st_rpack = state.take(4 * 2 * w);
+        let st_rdone = state.take(4 * 2);
+        let st_cdone_blocks = state.take(4 * 2);
+        let st_sslot = state.take(8 * t * k);
+        let st_hist = state.take(4 * cfg.num_experts);
+        let st_rcnt = state.take(4 * w * l);
+        let st_rhdr = state.take(8 * w * t * k);
+        let st_weights = state.take(4 * t * k);
+        let st_last_dseq = state.take(4);
         let state_bytes = state.0;
         Layout {
             shared_bytes,
@@ -127,6 +154,15 @@ impl Layout {
             st_token_mask,
             st_map,
             st_queue,
+            st_rpack,
+            st_rdone,
+            st_cdone_blocks,
+            st_sslot,
+            st_hist,
+            st_rcnt,
+            st_rhdr,
+            st_weights,
+            st_last_dseq,
             host_bytes: align(HOST_COUNTS_OFFSET + 4 * cfg.num_experts),
         }
     }
@@ -182,6 +218,15 @@ mod tests {
                 l.st_token_mask,
                 l.st_map,
                 l.st_queue,
+                l.st_rpack,
+                l.st_rdone,
+                l.st_cdone_blocks,
+                l.st_sslot,
+                l.st_hist,
+                l.st_rcnt,
+                l.st_rhdr,
+                l.st_weights,
+                l.st_last_dseq,
                 l.state_bytes,
             ];
             assert!(states.windows(2).all(|p| p[0] < p[1]), "{states:?}");

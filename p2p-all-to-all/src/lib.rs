@@ -35,6 +35,10 @@ mod error;
 mod kernels;
 mod layout;
 mod params;
+pub mod proxy;
+pub mod proxy_block;
+pub mod remote;
+mod remote_path;
 
 pub use all_to_all::{device_error, AllToAll, CombineRecv, CombineSend, DispatchRecv, DispatchSend};
 pub use config::{Config, DispatchDtype, MAX_EXPERTS, MAX_PEERS, MAX_TOKENS, MAX_TOPK, SCALE_BLOCK};
@@ -42,3 +46,4 @@ pub use cuda_lib::CudaError;
 pub use error::{A2aError, Result};
 pub use kernels::{kernel_archs, kernel_image};
 pub use layout::Layout;
+pub use remote_path::RemoteOptions;

@@ -36,10 +36,43 @@ pub struct Common {
     pub st_token_mask: u64,
     pub st_map: u64,
     pub st_queue: u64,
+    /// Ranks of this rank's NVLink domain (bit r); the others are remote.
+    pub nvmask: u64,
+    /// Device address of the proxy block (0: no remote ranks).
+    pub blk: u64,
+    pub blk_dseq: u64,
+    pub blk_ddone: u64,
+    pub blk_cdone: u64,
+    pub blk_rcf: u64,
+    pub blk_rflag: u64,
+    pub blk_rovf: u64,
+    pub blk_crflag: u64,
+    pub blk_pub_tok: u64,
+    pub blk_pub_hist: u64,
+    pub blk_msg_in: u64,
+    pub msg_bytes: u64,
+    pub dsend: u64,
+    pub drecv: u64,
+    pub csend: u64,
+    pub crecv: u64,
+    pub private_tokens: u64,
+    pub rrec_bytes: u64,
+    pub drecv_records: u64,
+    pub csend_rows: u64,
+    pub crecv_rows: u64,
+    pub st_rpack: u64,
+    pub st_rdone: u64,
+    pub st_cdone_blocks: u64,
+    pub st_sslot: u64,
+    pub st_hist: u64,
+    pub st_rcnt: u64,
+    pub st_rhdr: u64,
+    pub st_weights: u64,
+    pub st_last_dseq: u64,
     pub peers: [u64; MAX_PEERS],
 }
 
-const _: () = assert!(std::mem::size_of::<Common>() == (30 + MAX_PEERS) * 8);
+const _: () = assert!(std::mem::size_of::<Common>() == (61 + MAX_PEERS) * 8);
 
 /// `A2ADispatchSendArgs`.
 #[repr(C)]

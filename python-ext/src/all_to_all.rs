@@ -3,12 +3,15 @@
 //! `fabric_lib.all_to_all`, which wraps this class.
 use std::time::Duration;
 
+use crate::config::engine_config;
 use crate::errors::{to_pyerr, IntoPyResult as IntoPy, PyErrorClass};
+use fabric_lib::{EngineConfig, ProviderSpec};
 use p2p_all_to_all::{
     A2aError, AllToAll, CombineRecv, CombineSend, Config, CudaError, DispatchDtype, DispatchRecv, DispatchSend,
+    RemoteOptions,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 impl PyErrorClass for A2aError {
     fn class_name(&self) -> &'static str {
@@ -18,6 +21,7 @@ impl PyErrorClass for A2aError {
             A2aError::Cuda(CudaError::InvalidArgument(_)) => "InvalidArgumentError",
             A2aError::Cuda(_) => "FabricError",
             A2aError::NotConnected(_) => "FabricError",
+            A2aError::Fabric(e) => e.class_name(),
         }
     }
 }
@@ -122,7 +126,8 @@ pub struct PyAllToAll {
 impl PyAllToAll {
     #[new]
     #[pyo3(signature = (device, rank, world_size, max_num_tokens, hidden, num_experts, experts_per_token,
-                        max_tokens_per_expert, dispatch_dtype, timeout))]
+                        max_tokens_per_expert, dispatch_dtype, timeout, nvlink=None, private_tokens=0,
+                        provider=None, domains=Vec::new(), proxy_cpu=None, engine_options=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -136,6 +141,12 @@ impl PyAllToAll {
         max_tokens_per_expert: usize,
         dispatch_dtype: &str,
         timeout: f64,
+        nvlink: Option<usize>,
+        private_tokens: usize,
+        provider: Option<String>,
+        domains: Vec<String>,
+        proxy_cpu: Option<usize>,
+        engine_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let dispatch_dtype = match dispatch_dtype {
             "bf16" => DispatchDtype::Bf16,
@@ -161,7 +172,15 @@ impl PyAllToAll {
             dispatch_dtype,
             timeout: Duration::from_secs_f64(timeout),
         };
-        let inner = py.detach(|| AllToAll::new(device, cfg)).py(py)?;
+        let remote = match nvlink {
+            Some(nvlink) if nvlink != world_size => {
+                let engine =
+                    EngineConfig { provider: ProviderSpec { provider, domains }, ..engine_config(py, engine_options)? };
+                Some(RemoteOptions { nvlink, private_tokens, engine, proxy_cpu })
+            }
+            _ => None,
+        };
+        let inner = py.detach(|| AllToAll::with_remote(device, cfg, remote)).py(py)?;
         Ok(PyAllToAll { inner })
     }
 
@@ -225,6 +244,46 @@ impl PyAllToAll {
     /// Bits of errors the kernels reported (see fabric_lib.all_to_all).
     fn errors(&self) -> u32 {
         self.inner.errors()
+    }
+
+    /// What the proxy of the RDMA half reported, if it failed.
+    fn proxy_error(&self) -> Option<String> {
+        self.inner.proxy_error()
+    }
+
+    /// Whether the RDMA half's buffers are GPU memory (FI_HMEM) rather than mapped host memory;
+    /// None without remote ranks.
+    #[getter]
+    fn remote_gpu_buffers(&self) -> Option<bool> {
+        self.inner.remote().map(|r| r.gpu_buffers())
+    }
+
+    /// The proxy's costs of the calls since the last call (cleared): two lists of dicts.
+    fn proxy_samples<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        let (dispatch, combine) = self.inner.proxy_samples();
+        let d = PyList::empty(py);
+        for s in dispatch {
+            let item = PyDict::new(py);
+            item.set_item("counts_signal_to_first_write_ns", s.counts_signal_to_first_write_ns)?;
+            item.set_item("counts_post_ns", s.counts_post_ns)?;
+            item.set_item("signal_to_first_write_ns", s.signal_to_first_write_ns)?;
+            item.set_item("post_per_peer_ns", s.post_per_peer_ns)?;
+            item.set_item("data_writes", s.data_writes)?;
+            item.set_item("count_writes", s.count_writes)?;
+            item.set_item("remote_peers", s.remote_peers)?;
+            item.set_item("total_ns", s.total_ns)?;
+            d.append(item)?;
+        }
+        let c = PyList::empty(py);
+        for s in combine {
+            let item = PyDict::new(py);
+            item.set_item("signal_to_first_write_ns", s.signal_to_first_write_ns)?;
+            item.set_item("post_per_peer_ns", s.post_per_peer_ns)?;
+            item.set_item("writes", s.writes)?;
+            item.set_item("remote_peers", s.remote_peers)?;
+            c.append(item)?;
+        }
+        Ok((d, c))
     }
 
     fn clear_errors(&self) {

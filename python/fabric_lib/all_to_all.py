@@ -1,4 +1,4 @@
-"""MoE expert-parallel all-to-all (dispatch / combine) between the GPUs of one host, over NVLink.
+"""MoE expert-parallel all-to-all (dispatch / combine): NVLink inside a node, RDMA between nodes.
 
 One :class:`AllToAll` per expert-parallel group, created collectively by every rank of a
 ``torch.distributed`` group (it exchanges CUDA IPC handles through ``all_gather_object``). Then, on
@@ -23,26 +23,30 @@ that never answers) are recorded by the kernels and raised by the next call on t
 :meth:`AllToAll.check` (which synchronizes). ``validate=True`` checks expert indices on the host
 before each dispatch (one synchronization; skipped during graph capture).
 
-Remote ranks (RDMA through a CPU proxy) are not implemented: every rank of the group must be on
-this host and reachable over NVLink (peer-to-peer).
+Ranks are grouped into NVLink domains of ``nvlink`` consecutive ranks (default: the whole group,
+which must then be on one host with peer-to-peer access). Ranks of other domains are reached
+through this rank's TransferEngine (``nets_per_gpu`` NICs) by a CPU proxy thread that follows the
+kernels; the call sequence is the same (docs/all_to_all_rdma.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import _rust
-from .errors import CudaUnavailableError, FabricTimeoutError, InvalidArgumentError
+from .errors import CudaUnavailableError, FabricError, FabricTimeoutError, InvalidArgumentError
 
 __all__ = [
     "ERR_BAD_EXPERT",
     "ERR_BAD_NUM_TOKENS",
     "ERR_CALL_ORDER",
     "ERR_EXPERT_OVERFLOW",
+    "ERR_PROXY",
     "ERR_TIMEOUT",
     "AllToAll",
     "DispatchOutput",
@@ -54,6 +58,7 @@ ERR_BAD_EXPERT = 1 << 1
 ERR_BAD_NUM_TOKENS = 1 << 2
 ERR_EXPERT_OVERFLOW = 1 << 3
 ERR_CALL_ORDER = 1 << 4
+ERR_PROXY = 1 << 5
 
 SCALE_BLOCK = 128
 
@@ -137,6 +142,20 @@ class AllToAll:
             (:meth:`host_counts`; the hook of a future RDMA proxy).
         fused: run both halves of a call as one kernel when both are asked for (False: two
             kernels, as with ``do_send`` / ``do_recv``).
+        nvlink: ranks per NVLink domain (consecutive ranks; divides the group size). Default: the
+            group size (every rank over NVLink: no engine, no proxy). ``1``: every peer through
+            the engine.
+        nets_per_gpu: NICs (engine domains) per GPU that carry remote traffic; without
+            ``domains`` the ``nets_per_gpu`` NICs nearest the GPU (``detect_topology``).
+        private_tokens: records per (source, destination) pair written speculatively into the
+            destination's private area before every rank's counts are known (default
+            ``max_num_tokens``: one write per remote rank); the rest goes in a second write to
+            the destination's overflow area.
+        provider: libfabric provider of the engine (default: an RDMA NIC's, else ``tcp``).
+        domains: explicit engine domains (NICs or interfaces), overriding ``nets_per_gpu``.
+        proxy_cpu: CPU for the proxy thread; ``"auto"``: a core of the GPU's NUMA node (by rank).
+        engine_options: further :class:`fabric_lib.TransferEngine` options by name (e.g.
+            ``{"gpu_network": True}`` for ``shm`` of a CUDA-enabled libfabric: GPU buffers).
     """
 
     def __init__(
@@ -155,6 +174,13 @@ class AllToAll:
         validate: bool = False,
         publish_host_counts: bool = False,
         fused: bool = True,
+        nvlink: int | None = None,
+        nets_per_gpu: int = 1,
+        private_tokens: int | None = None,
+        provider: str | None = None,
+        domains: Sequence[str] | None = None,
+        proxy_cpu: int | Literal["auto"] | None = "auto",
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise _fail("AllToAll needs an initialized torch.distributed process group")
@@ -194,6 +220,34 @@ class AllToAll:
         self.validate = validate
         self.publish_host_counts = publish_host_counts
         self.fused = fused
+        if nvlink is None:
+            nvlink = self.world_size
+        if not isinstance(nvlink, int) or nvlink < 1 or self.world_size % nvlink:
+            raise _fail(f"nvlink={nvlink!r} must be a positive int dividing the group size {self.world_size}")
+        if private_tokens is None:
+            private_tokens = max_num_tokens
+        if not isinstance(private_tokens, int) or not 0 <= private_tokens <= max_num_tokens:
+            raise _fail(f"private_tokens={private_tokens!r} must be an int in [0, max_num_tokens]")
+        if not isinstance(nets_per_gpu, int) or nets_per_gpu < 1:
+            raise _fail(f"nets_per_gpu={nets_per_gpu!r} must be a positive int")
+        self.nvlink = nvlink
+        remote = nvlink < self.world_size
+        domain_list: list[str] = list(domains) if domains is not None else []
+        cpu: int | None = None
+        if remote:
+            if domains is None and nets_per_gpu > 1:
+                nics = self._gpu_topology().nics
+                if len(nics) < nets_per_gpu:
+                    raise _fail(
+                        f"nets_per_gpu={nets_per_gpu}: only {len(nics)} NICs near {self.device} ({nics}); "
+                        "pass domains= explicitly"
+                    )
+                domain_list = nics[:nets_per_gpu]
+            if proxy_cpu == "auto":
+                cpus = self._gpu_topology().cpus
+                cpu = cpus[self.rank % len(cpus)] if cpus else None
+            elif proxy_cpu is not None:
+                cpu = int(proxy_cpu)
         self._native = _rust.AllToAll(
             self.device.index,
             self.rank,
@@ -205,11 +259,45 @@ class AllToAll:
             max_tokens_per_expert,
             _DTYPES[dispatch_dtype],
             float(timeout),
+            nvlink,
+            private_tokens,
+            provider,
+            domain_list,
+            cpu,
+            dict(engine_options or {}),
         )
+        # shm with FI_HMEM queues its device copies on the legacy default stream: the proxy waits
+        # for that stream before raising a flag, so the kernels must not run on it.
+        self._side_stream_only = bool(self._native.remote_gpu_buffers) and (provider or "").startswith("shm")
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, self._native.export_handle(), group=self.group)
         self._native.connect(handles)
         self._last_rows: int | None = None  # rows of x in the last dispatch send
+
+    def _gpu_topology(self) -> Any:
+        from .topology import detect_topology
+
+        try:
+            return detect_topology().device(f"cuda:{self.device.index}")
+        except KeyError:
+            return detect_topology().device("host")
+
+    @property
+    def remote_gpu_buffers(self) -> bool | None:
+        """Whether remote traffic uses GPU buffers registered with the NIC (FI_HMEM) rather than
+        mapped pinned host memory; None when every rank is over NVLink."""
+        v = self._native.remote_gpu_buffers
+        return None if v is None else bool(v)
+
+    def proxy_stats(self) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+        """The proxy's costs of the calls since the last read, as it recorded them (nanoseconds):
+        per dispatch ``counts_signal_to_first_write_ns`` (counts published → first count message
+        posted), ``signal_to_first_write_ns`` (records packed → first data write posted),
+        ``post_per_peer_ns``, ``data_writes``, ``count_writes``, ``remote_peers``, ``total_ns``;
+        per combine ``signal_to_first_write_ns``, ``post_per_peer_ns``, ``writes``,
+        ``remote_peers``. Empty without remote ranks."""
+        d, c = self._native.proxy_samples()
+        return [dict(x) for x in d], [dict(x) for x in c]
 
     # ----------------------------------------------------------------------------------- errors
 
@@ -226,6 +314,12 @@ class AllToAll:
                 "all-to-all: a kernel timed out waiting for a peer (a rank missed a call, died, or "
                 "called in another order); this AllToAll is unusable, create a new one"
             )
+        if bits & ERR_PROXY:
+            why = self._native.proxy_error() or "unknown"
+            cls = (
+                FabricTimeoutError if "timed out" in why.lower() or "timeout" in why.lower() else FabricError
+            )
+            raise cls(f"all-to-all: the proxy for remote ranks failed ({why}); this AllToAll is unusable")
         self._native.clear_errors()
         what = []
         if bits & ERR_BAD_EXPERT:
@@ -270,9 +364,14 @@ class AllToAll:
             raise _fail(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
         return t
 
-    @staticmethod
-    def _stream() -> int:
-        return int(torch.cuda.current_stream().cuda_stream)
+    def _stream(self) -> int:
+        stream = int(torch.cuda.current_stream().cuda_stream)
+        if stream == 0 and self._side_stream_only:
+            raise _fail(
+                "with provider 'shm' and GPU buffers the calls must run on a non-default stream "
+                "(torch.cuda.stream(torch.cuda.Stream())): shm copies on the legacy default stream"
+            )
+        return stream
 
     # --------------------------------------------------------------------------------- dispatch
 

@@ -85,12 +85,16 @@ def check_dispatch(a2a: Any, out: Any, x: Any, scales: Any, idx: Any, T_live: in
     ps = torch.zeros((Tm, max(ns, 1)), dtype=torch.float32, device=dev)
     if ns:
         ps[:T_live] = scales[:T_live]
+    # gloo (several ranks on one GPU, where NCCL refuses) gathers host copies.
+    stage = (lambda t: t.cpu()) if dist.get_backend() == "gloo" else (lambda t: t)
+    px, pi, ps = stage(px), stage(pi), stage(ps)
     gx = [torch.empty_like(px) for _ in range(W)]
     gi = [torch.empty_like(pi) for _ in range(W)]
     gs = [torch.empty_like(ps) for _ in range(W)]
     dist.all_gather(gx, px)
     dist.all_gather(gi, pi)
     dist.all_gather(gs, ps)
+    gx, gi, gs = ([t.to(dev) for t in g] for g in (gx, gi, gs))
     counts = out.counts.cpu().tolist()
     for el in range(L):
         e = a2a.rank * L + el

@@ -1,0 +1,644 @@
+//! The CPU proxy: one thread per rank that carries the all-to-all's traffic to remote ranks
+//! (other NVLink domains) through this rank's [`TransferEngine`], following the kernels'
+//! sequence numbers in the proxy block (not the host's calls, so CUDA graph replays work).
+//!
+//! Dispatch call `n` (parity `p`):
+//! 1. The send kernel publishes its counts and raises `dseq = n` before it copies any token: the
+//!    proxy sends the count message to every other rank at once (they travel while tokens are
+//!    copied).
+//! 2. When the kernel raised `ddone = n` (records packed per destination), it writes each remote
+//!    rank's first `private_tokens` records into that rank's private area for this source; the
+//!    records beyond go in a second write into the receiver's overflow area, at an offset known
+//!    once the counts of the sources before this one arrived. At most 2 data writes per remote
+//!    rank (each sharded over the engine's domains).
+//! 3. Arrivals are learnt only from immediate counts (no ordering is assumed): once every rank's
+//!    count message is in, each remote source's expected data writes are known; when they all
+//!    arrived, the proxy raises `rflag[p][s]`, which the receive kernel waits on. Once every
+//!    count message is in it raises `rcf[p][s]` first: the kernel computes its rows' offsets
+//!    (and expands NVLink sources' tokens) while remote records are still in flight.
+//!
+//! Combine call `cn`: when the combine send kernel raised `cdone`, one write per remote rank (or
+//! only an immediate where there are no rows: every rank always hears from every remote rank,
+//! which is what makes the doubled buffers safe to reuse); each arrival raises `crflag[d]`.
+//!
+//! The proxy never blocks on a peer: a dead peer leaves flags down and the kernels' waits time
+//! out. Failed writes are recorded in the block's `error` word and [`Proxy::error`].
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use fabric_lib::{
+    CompletionCounter, DomainChoice, MrDescriptor, MrHandle, ScatterSharding, ScatterTarget, TransferEngine,
+    WriteRequest,
+};
+use parking_lot::Mutex;
+
+use crate::proxy_block::BlockLayout;
+use crate::remote::{
+    combine_segment_at_expert, combine_segment_at_source, decode_counts, encode_counts, imm, overflow_offset, Counts,
+    ImmKind, RemoteLayout, Topology,
+};
+
+/// Where one rank's regions are, as its peers need them.
+#[derive(Debug, Clone)]
+pub struct PeerRegions {
+    /// The proxy block (count messages land in `msg_in`).
+    pub block: MrDescriptor,
+    /// Dispatch receive buffer.
+    pub drecv: MrDescriptor,
+    /// Combine receive buffer.
+    pub crecv: MrDescriptor,
+}
+
+/// This rank's registered regions.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalRegions {
+    /// Host address of the proxy block (the proxy reads and writes it directly).
+    pub block_ptr: *mut u8,
+    pub block: MrHandle,
+    pub dsend: MrHandle,
+    pub csend: MrHandle,
+}
+
+// SAFETY: the block is host memory that stays allocated while the proxy runs (the owner stops
+// the proxy before freeing it); every access goes through atomics.
+unsafe impl Send for LocalRegions {}
+
+/// Waits until bytes whose immediates were counted are in place (see
+/// [`ProxyConfig::placement_fence`]).
+pub type PlacementFence = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// What the proxy is for.
+#[derive(Clone)]
+pub struct ProxyConfig {
+    pub rank: usize,
+    pub topo: Topology,
+    pub layout: RemoteLayout,
+    /// CPU to pin the thread to.
+    pub cpu: Option<usize>,
+    /// After this long without work the thread sleeps briefly between polls.
+    pub idle_spin: Duration,
+    /// Post the private writes of a dispatch as one scatter (one request for every remote rank)
+    /// rather than one write each: host-memory buffers (the engine's scatter takes host memory).
+    pub scatter_data: bool,
+    /// Called before raising a receive flag, where a counted immediate does not yet mean the
+    /// bytes are in place: `shm` with FI_HMEM counts it while the device copy is still queued
+    /// on the receiver's legacy default stream. None elsewhere (RDMA NICs place the bytes first).
+    pub placement_fence: Option<PlacementFence>,
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyConfig")
+            .field("rank", &self.rank)
+            .field("topo", &self.topo)
+            .field("layout", &self.layout)
+            .field("cpu", &self.cpu)
+            .field("scatter_data", &self.scatter_data)
+            .field("placement_fence", &self.placement_fence.is_some())
+            .finish()
+    }
+}
+
+/// One dispatch's costs as the proxy saw them (nanoseconds).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DispatchSample {
+    /// Counts seen (`dseq`) → every count message posted.
+    pub counts_post_ns: u64,
+    /// Counts seen → first count message posted.
+    pub counts_signal_to_first_write_ns: u64,
+    /// Records packed (`ddone`) → first data write posted.
+    pub signal_to_first_write_ns: u64,
+    /// Time spent posting the private writes, per remote rank.
+    pub post_per_peer_ns: u64,
+    /// Data writes posted.
+    pub data_writes: u32,
+    /// Count messages posted.
+    pub count_writes: u32,
+    /// Remote ranks.
+    pub remote_peers: u32,
+    /// Counts seen → every remote source's records arrived (flags raised).
+    pub total_ns: u64,
+}
+
+/// One combine's costs as the proxy saw them (nanoseconds).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CombineSample {
+    /// Rows packed (`cdone`) → first write posted.
+    pub signal_to_first_write_ns: u64,
+    /// Time spent posting, per remote rank.
+    pub post_per_peer_ns: u64,
+    /// Writes posted (one per remote rank).
+    pub writes: u32,
+    pub remote_peers: u32,
+}
+
+/// Samples kept (the most recent calls).
+const MAX_SAMPLES: usize = 1 << 14;
+
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    error: Mutex<Option<String>>,
+    dispatch: Mutex<Vec<DispatchSample>>,
+    combine: Mutex<Vec<CombineSample>>,
+    dispatch_done: AtomicU64,
+    combine_done: AtomicU64,
+}
+
+/// The running proxy thread; stopped and joined on drop.
+pub struct Proxy {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    engine: Arc<TransferEngine>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy").field("running", &self.thread.is_some()).finish()
+    }
+}
+
+impl Proxy {
+    /// Starts the thread. `peers[r]` is rank r's regions (this rank's own entry is ignored).
+    pub fn start(
+        engine: Arc<TransferEngine>,
+        cfg: ProxyConfig,
+        local: LocalRegions,
+        peers: Vec<PeerRegions>,
+    ) -> crate::Result<Self> {
+        if peers.len() != cfg.topo.world {
+            return Err(crate::error::invalid!("{} peer regions for a world of {}", peers.len(), cfg.topo.world));
+        }
+        let shared = Arc::new(Shared::default());
+        let state = State::new(engine.clone(), cfg, local, peers, shared.clone());
+        let thread = std::thread::Builder::new()
+            .name("a2a-proxy".into())
+            .spawn(move || state.run())
+            .map_err(|e| crate::error::invalid!("spawning the proxy thread: {e}"))?;
+        Ok(Proxy { shared, thread: Some(thread), engine })
+    }
+
+    /// The engine the proxy posts on.
+    pub fn engine(&self) -> &Arc<TransferEngine> {
+        &self.engine
+    }
+
+    /// The first failure, if any (the object is unusable afterwards).
+    pub fn error(&self) -> Option<String> {
+        self.shared.error.lock().clone()
+    }
+
+    /// Dispatch and combine calls the proxy finished.
+    pub fn calls_done(&self) -> (u64, u64) {
+        (self.shared.dispatch_done.load(Ordering::Acquire), self.shared.combine_done.load(Ordering::Acquire))
+    }
+
+    /// The recorded costs of recent calls (and clears them).
+    pub fn take_samples(&self) -> (Vec<DispatchSample>, Vec<CombineSample>) {
+        (std::mem::take(&mut *self.shared.dispatch.lock()), std::mem::take(&mut *self.shared.combine.lock()))
+    }
+
+    /// Stops and joins the thread (also done on drop).
+    pub fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The dispatch call in progress.
+struct DispatchCall {
+    n: u64,
+    started: bool,
+    seen: Instant,
+    known: Vec<bool>,
+    counts_raised: bool,
+    private_posted: bool,
+    overflow_posted: Vec<bool>,
+    flagged: Vec<bool>,
+    sample: DispatchSample,
+}
+
+/// The combine call in progress.
+struct CombineCall {
+    n: u64,
+    posted: bool,
+    got: Vec<bool>,
+}
+
+struct State {
+    engine: Arc<TransferEngine>,
+    cfg: ProxyConfig,
+    block: BlockLayout,
+    local: LocalRegions,
+    peers: Vec<PeerRegions>,
+    shared: Arc<Shared>,
+    /// Counts of the dispatch of each parity, and which dispatch they are (0: none).
+    counts: [Counts; 2],
+    counts_seq: [u64; 2],
+    dispatch: DispatchCall,
+    combine: CombineCall,
+    writes: Arc<CompletionCounter>,
+    remote: Vec<usize>,
+}
+
+impl State {
+    fn new(
+        engine: Arc<TransferEngine>,
+        cfg: ProxyConfig,
+        local: LocalRegions,
+        peers: Vec<PeerRegions>,
+        shared: Arc<Shared>,
+    ) -> Self {
+        let w = cfg.topo.world;
+        let block = BlockLayout::new(&cfg.layout);
+        let remote = (0..w).filter(|&r| cfg.topo.is_remote(cfg.rank, r)).collect();
+        let e = cfg.layout.num_experts;
+        State {
+            engine,
+            block,
+            local,
+            peers,
+            shared,
+            counts: [Counts::new(w, e), Counts::new(w, e)],
+            counts_seq: [0, 0],
+            dispatch: DispatchCall::new(1, w),
+            combine: CombineCall { n: 1, posted: false, got: vec![false; w] },
+            writes: CompletionCounter::new(),
+            remote,
+            cfg,
+        }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `off` is an 8-aligned offset inside the block (BlockLayout), which outlives
+        // the thread; the block is 64-byte aligned host memory.
+        unsafe { &*(self.local.block_ptr.add(off) as *const AtomicU64) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as for `u64_at`, 4-aligned.
+        unsafe { &*(self.local.block_ptr.add(off) as *const AtomicU32) }
+    }
+
+    fn bytes_at(&self, off: usize, len: usize) -> &[u8] {
+        // SAFETY: a range inside the block that peers finished writing (msg_in, after its
+        // immediate was counted).
+        unsafe { std::slice::from_raw_parts(self.local.block_ptr.add(off), len) }
+    }
+
+    fn put_bytes(&self, off: usize, bytes: &[u8]) {
+        // SAFETY: a range inside the block that only this thread writes (msg_out), not read
+        // by the NIC at this time (its previous writes landed: see `dispatch_step`).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.local.block_ptr.add(off), bytes.len()) }
+    }
+
+    fn fail(&self, what: String) {
+        tracing::error!("all-to-all proxy of rank {}: {what}", self.cfg.rank);
+        self.shared.error.lock().get_or_insert(what);
+        self.u64_at(self.block.error).store(1, Ordering::Release);
+    }
+
+    fn run(mut self) {
+        if let Some(cpu) = self.cfg.cpu {
+            if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+                tracing::warn!("all-to-all proxy: could not pin to CPU {cpu}");
+            }
+        }
+        let mut last_work = Instant::now();
+        let mut failed_seen = 0;
+        while !self.shared.stop.load(Ordering::Acquire) {
+            let mut progressed = false;
+            if self.shared.error.lock().is_none() {
+                // Combine first: its `cdone` names the dispatch whose counts it uses.
+                progressed |= self.combine_step();
+                progressed |= self.dispatch_step();
+            }
+            let failed = self.writes.failed();
+            if failed != failed_seen {
+                failed_seen = failed;
+                let e = self.writes.first_error().map(|e| e.to_string()).unwrap_or_default();
+                self.fail(format!("a write to a remote rank failed: {e}"));
+            }
+            if progressed {
+                last_work = Instant::now();
+            } else if last_work.elapsed() > self.cfg.idle_spin {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Runs the placement fence (if any); false after recording its failure.
+    fn placed(&self) -> bool {
+        match self.cfg.placement_fence.as_ref().map(|f| f()) {
+            Some(Err(e)) => {
+                self.fail(format!("waiting for received bytes to be in place: {e}"));
+                false
+            }
+            _ => true,
+        }
+    }
+
+    fn write(&self, src: MrHandle, src_offset: usize, len: usize, dst: &MrDescriptor, dst_offset: usize, imm: u32) {
+        let req = WriteRequest {
+            src,
+            src_offset: src_offset as u64,
+            len: len as u64,
+            dst,
+            dst_offset: dst_offset as u64,
+            imm: Some(imm),
+            domains: DomainChoice::Shard(self.engine.num_domains()),
+        };
+        if let Err(e) = self.engine.submit_write_counted(&req, &self.writes) {
+            self.fail(format!("posting a write of {len} bytes: {e}"));
+        }
+    }
+
+    /// One request writing `(src_offset, len, dst, dst_offset)` per target from `src`, each
+    /// target's receiver counting `imm` once.
+    fn scatter(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) {
+        if targets.is_empty() {
+            return;
+        }
+        let targets: Vec<ScatterTarget<'_>> = targets
+            .iter()
+            .map(|&(src_offset, len, dst, dst_offset)| ScatterTarget {
+                len: len as u64,
+                src_offset: src_offset as u64,
+                dst,
+                dst_offset: dst_offset as u64,
+            })
+            .collect();
+        let on_done = self.writes.on_done();
+        if let Err(e) = self.engine.submit_scatter(None, src, &targets, Some(imm), ScatterSharding::ByBytes, on_done) {
+            self.fail(format!("posting a scatter to {} ranks: {e}", targets.len()));
+        }
+    }
+
+    fn imm_only(&self, imm: u32, dst: &MrDescriptor) {
+        let counter = self.writes.clone();
+        if let Err(e) = self.engine.submit_imm(imm, dst, counter.on_done()) {
+            self.fail(format!("posting an immediate: {e}"));
+        }
+    }
+
+    fn dispatch_step(&mut self) -> bool {
+        let (me, w, q) = (self.cfg.rank, self.cfg.topo.world, self.cfg.layout.private_tokens);
+        let n = self.dispatch.n;
+        let p = (n & 1) as usize;
+        let mut progressed = false;
+        if !self.dispatch.started {
+            if self.u64_at(self.block.dseq).load(Ordering::Acquire) < n {
+                return false;
+            }
+            let seen = Instant::now();
+            let tok: Vec<u32> =
+                (0..w).map(|d| self.u32_at(self.block.pub_tok_at(p, d)).load(Ordering::Relaxed)).collect();
+            let hist: Vec<u32> = (0..self.cfg.layout.num_experts)
+                .map(|e| self.u32_at(self.block.pub_hist_at(p, e)).load(Ordering::Relaxed))
+                .collect();
+            let mut msg = vec![0u8; self.block.msg_bytes];
+            encode_counts(n, &tok, &hist, &mut msg);
+            self.put_bytes(self.block.msg_out_at(p), &msg);
+            // One scatter: the same message to every other rank.
+            let (src, len, dst) = (self.block.msg_out_at(p), self.block.msg_bytes, self.block.msg_in_at(p, me));
+            let targets: Vec<_> = (0..w).filter(|&r| r != me).map(|r| (src, len, &self.peers[r].block, dst)).collect();
+            self.scatter(self.local.block, &targets, imm(ImmKind::Counts, n as u32, me));
+            let first = (!targets.is_empty()).then(Instant::now);
+            let c = &mut self.counts[p];
+            c.tok[me] = tok;
+            c.hist[me] = hist;
+            self.counts_seq[p] = 0;
+            let d = &mut self.dispatch;
+            d.started = true;
+            d.seen = seen;
+            d.known[me] = true;
+            d.sample.counts_post_ns = seen.elapsed().as_nanos() as u64;
+            d.sample.counts_signal_to_first_write_ns = first.map_or(0, |t: Instant| (t - seen).as_nanos() as u64);
+            d.sample.count_writes = (w - 1) as u32;
+            d.sample.remote_peers = self.remote.len() as u32;
+            progressed = true;
+        }
+        for s in 0..w {
+            if self.dispatch.known[s] || !self.engine.try_take_imm_count(imm(ImmKind::Counts, n as u32, s), 1) {
+                continue;
+            }
+            let msg = self.bytes_at(self.block.msg_in_at(p, s), self.block.msg_bytes);
+            let (seq, tok, hist) = decode_counts(msg, w, self.cfg.layout.num_experts);
+            if seq != n {
+                self.fail(format!("rank {s}'s count message is for dispatch {seq}, expected {n}"));
+                return true;
+            }
+            self.counts[p].tok[s] = tok;
+            self.counts[p].hist[s] = hist;
+            self.dispatch.known[s] = true;
+            progressed = true;
+        }
+        if !self.dispatch.private_posted && self.u64_at(self.block.ddone).load(Ordering::Acquire) >= n {
+            let signal = Instant::now();
+            let lay = self.cfg.layout;
+            let tag = imm(ImmKind::DispatchData, n as u32, me);
+            let targets: Vec<_> = self
+                .remote
+                .iter()
+                .map(|&d| (d, (self.counts[p].tok[me][d] as usize).min(q)))
+                .filter(|&(_, records)| records > 0)
+                .map(|(d, records)| {
+                    let dst = lay.private_offset(p, me, 0);
+                    (lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, &self.peers[d].drecv, dst)
+                })
+                .collect();
+            let mut first = None;
+            if self.cfg.scatter_data {
+                self.scatter(self.local.dsend, &targets, tag);
+                first = (!targets.is_empty()).then(Instant::now);
+            } else {
+                for &(src, len, dst, dst_offset) in &targets {
+                    self.write(self.local.dsend, src, len, dst, dst_offset, tag);
+                    first.get_or_insert_with(Instant::now);
+                }
+            }
+            self.dispatch.sample.data_writes += targets.len() as u32;
+            let sample = &mut self.dispatch.sample;
+            sample.signal_to_first_write_ns = first.map_or(0, |t| (t - signal).as_nanos() as u64);
+            sample.post_per_peer_ns = signal.elapsed().as_nanos() as u64 / self.remote.len().max(1) as u64;
+            self.dispatch.private_posted = true;
+            progressed = true;
+        }
+        if self.dispatch.private_posted {
+            let lay = self.cfg.layout;
+            for i in 0..self.remote.len() {
+                let d = self.remote[i];
+                if self.dispatch.overflow_posted[d] {
+                    continue;
+                }
+                let records = self.counts[p].tok[me][d] as usize;
+                if records <= q {
+                    self.dispatch.overflow_posted[d] = true;
+                    continue;
+                }
+                let ready = (0..me).all(|x| !self.cfg.topo.is_remote(x, d) || self.dispatch.known[x]);
+                if !ready {
+                    continue;
+                }
+                let off = overflow_offset(&self.counts[p], &self.cfg.topo, q, me, d);
+                self.write(
+                    self.local.dsend,
+                    lay.dsend_offset(p, d, q),
+                    (records - q) * lay.rrec_bytes,
+                    &self.peers[d].drecv,
+                    lay.overflow_byte_offset(p, off),
+                    imm(ImmKind::DispatchData, n as u32, me),
+                );
+                self.dispatch.sample.data_writes += 1;
+                self.dispatch.overflow_posted[d] = true;
+                progressed = true;
+            }
+        }
+        // Every count message must be in before any flag goes up: a rank's receive half
+        // finishing then proves its proxy read them all (the buffers of this parity are free
+        // for call n + 2).
+        if self.dispatch.started && self.dispatch.known.iter().all(|&k| k) {
+            if !self.dispatch.counts_raised {
+                // The receive kernel lays out its rows from these before the records arrive.
+                for &s in &self.remote {
+                    let records = u64::from(self.counts[p].tok[s][me]);
+                    self.u64_at(self.block.rcf_at(p, s)).store((n << 32) | records, Ordering::Release);
+                }
+                self.dispatch.counts_raised = true;
+                progressed = true;
+            }
+            for i in 0..self.remote.len() {
+                let s = self.remote[i];
+                if self.dispatch.flagged[s] {
+                    continue;
+                }
+                let records = self.counts[p].tok[s][me] as usize;
+                let expect = u64::from(records.min(q) > 0) + u64::from(records > q);
+                if expect > 0 && !self.engine.try_take_imm_count(imm(ImmKind::DispatchData, n as u32, s), expect) {
+                    continue;
+                }
+                if expect > 0 && !self.placed() {
+                    return true;
+                }
+                let off = overflow_offset(&self.counts[p], &self.cfg.topo, q, s, me);
+                self.u64_at(self.block.rovf_at(p, s)).store(off as u64, Ordering::Relaxed);
+                self.u64_at(self.block.rflag_at(p, s)).store((n << 32) | records as u64, Ordering::Release);
+                self.dispatch.flagged[s] = true;
+                progressed = true;
+            }
+            let all_flagged = self.remote.iter().all(|&s| self.dispatch.flagged[s]);
+            let all_sent =
+                self.dispatch.private_posted && self.remote.iter().all(|&d| self.dispatch.overflow_posted[d]);
+            if all_flagged && all_sent {
+                self.counts_seq[p] = n;
+                let mut sample = self.dispatch.sample;
+                sample.total_ns = self.dispatch.seen.elapsed().as_nanos() as u64;
+                push(&self.shared.dispatch, sample);
+                self.shared.dispatch_done.store(n, Ordering::Release);
+                self.dispatch = DispatchCall::new(n + 1, w);
+                return true;
+            }
+        }
+        progressed
+    }
+
+    fn combine_step(&mut self) -> bool {
+        let me = self.cfg.rank;
+        let cn = self.combine.n;
+        let cp = (cn & 1) as usize;
+        let mut progressed = false;
+        if !self.combine.posted {
+            let v = self.u64_at(self.block.cdone).load(Ordering::Acquire);
+            if v >> 32 < cn {
+                return false;
+            }
+            let dn = v & 0xffff_ffff;
+            let dp = (dn & 1) as usize;
+            if self.counts_seq[dp] & 0xffff_ffff != dn {
+                // The dispatch it follows is still being finished here (its writes posted).
+                return false;
+            }
+            let signal = Instant::now();
+            let lay = self.cfg.layout;
+            let c = &self.counts[dp];
+            let mut first = None;
+            for &s in &self.remote {
+                let rows = c.rows(s, me);
+                let tag = imm(ImmKind::Combine, cn as u32, me);
+                if rows > 0 {
+                    let src = lay.csend_offset(cp, combine_segment_at_expert(c, &self.cfg.topo, s, me));
+                    let dst = lay.crecv_offset(cp, combine_segment_at_source(c, &self.cfg.topo, s, me));
+                    self.write(self.local.csend, src, rows * lay.row_bytes, &self.peers[s].crecv, dst, tag);
+                } else {
+                    self.imm_only(tag, &self.peers[s].crecv);
+                }
+                first.get_or_insert_with(Instant::now);
+            }
+            let peers = self.remote.len() as u32;
+            push(
+                &self.shared.combine,
+                CombineSample {
+                    signal_to_first_write_ns: first.map_or(0, |t| (t - signal).as_nanos() as u64),
+                    post_per_peer_ns: signal.elapsed().as_nanos() as u64 / u64::from(peers.max(1)),
+                    writes: peers,
+                    remote_peers: peers,
+                },
+            );
+            self.combine.posted = true;
+            progressed = true;
+        }
+        for i in 0..self.remote.len() {
+            let d = self.remote[i];
+            if !self.combine.got[d] && self.engine.try_take_imm_count(imm(ImmKind::Combine, cn as u32, d), 1) {
+                if !self.placed() {
+                    return true;
+                }
+                self.u64_at(self.block.crflag_at(d)).store(cn << 32, Ordering::Release);
+                self.combine.got[d] = true;
+                progressed = true;
+            }
+        }
+        if self.combine.posted && self.remote.iter().all(|&d| self.combine.got[d]) {
+            self.shared.combine_done.store(cn, Ordering::Release);
+            self.combine = CombineCall { n: cn + 1, posted: false, got: vec![false; self.cfg.topo.world] };
+            return true;
+        }
+        progressed
+    }
+}
+
+impl DispatchCall {
+    fn new(n: u64, w: usize) -> Self {
+        DispatchCall {
+            n,
+            started: false,
+            seen: Instant::now(),
+            known: vec![false; w],
+            counts_raised: false,
+            private_posted: false,
+            overflow_posted: vec![false; w],
+            flagged: vec![false; w],
+            sample: DispatchSample::default(),
+        }
+    }
+}
+
+fn push<T>(samples: &Mutex<Vec<T>>, s: T) {
+    let mut v = samples.lock();
+    if v.len() >= MAX_SAMPLES {
+        v.remove(0);
+    }
+    v.push(s);
+}
