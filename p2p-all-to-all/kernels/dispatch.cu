@@ -324,20 +324,17 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
         const uint32_t S = (uint32_t)c.num_scales;
         if (S) {
             const uint8_t* sc = reinterpret_cast<const uint8_t*>(a.scales + (uint64_t)t * a.scales_stride);
-            if (((a.scales | a.scales_stride) & 15) == 0 && (S & 3) == 0) {
-                for (uint32_t q = lane; q < S / 4; q += 32) {
-                    const int4 val = __ldg(reinterpret_cast<const int4*>(sc) + q);
-                    for (uint32_t rem = every; rem; rem &= rem - 1) {
-                        const uint32_t d = __ffs(rem) - 1;
-                        reinterpret_cast<int4*>(rec_of(d) + c.data_bytes)[q] = val;
+            const bool vec = ((a.scales | a.scales_stride) & 15) == 0 && (S & 3) == 0;
+            // Destinations outer: rec_of shuffles across the warp, so every lane must call it.
+            for (uint32_t rem = every; rem; rem &= rem - 1) {
+                uint8_t* so = rec_of(__ffs(rem) - 1) + c.data_bytes;
+                if (vec) {
+                    for (uint32_t q = lane; q < S / 4; q += 32) {
+                        reinterpret_cast<int4*>(so)[q] = __ldg(reinterpret_cast<const int4*>(sc) + q);
                     }
-                }
-            } else {
-                for (uint32_t q = lane; q < S; q += 32) {
-                    const float val = __ldg(reinterpret_cast<const float*>(sc) + q);
-                    for (uint32_t rem = every; rem; rem &= rem - 1) {
-                        const uint32_t d = __ffs(rem) - 1;
-                        reinterpret_cast<float*>(rec_of(d) + c.data_bytes)[q] = val;
+                } else {
+                    for (uint32_t q = lane; q < S; q += 32) {
+                        reinterpret_cast<float*>(so)[q] = __ldg(reinterpret_cast<const float*>(sc) + q);
                     }
                 }
             }
