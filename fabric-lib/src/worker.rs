@@ -21,6 +21,7 @@ use crate::domain_state::DomainState;
 use crate::epoch::{PendingReadmit, ReceivedEpochs};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
+use crate::latency_probe::{LatencyProbe, Stage};
 use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
 use crate::provider::same_host::{copy_host_to_host, SameHostChannel, SameHostDone, SameHostSrc};
 use crate::sharding::DeferredImm;
@@ -127,6 +128,29 @@ impl Op {
     }
 }
 
+/// A request's resolved destinations by (peer, domain): the latest one inline (most requests
+/// have one), the others in a map allocated only when a second one appears.
+#[derive(Default)]
+struct DestCache {
+    last: Option<((u32, u16), u64)>,
+    others: HashMap<(u32, u16), u64>,
+}
+
+impl DestCache {
+    fn get(&self, key: (u32, u16)) -> Option<u64> {
+        match self.last {
+            Some((k, d)) if k == key => Some(d),
+            _ => self.others.get(&key).copied(),
+        }
+    }
+
+    fn insert(&mut self, key: (u32, u16), dest: u64) {
+        if let Some((k, d)) = self.last.replace((key, dest)) {
+            self.others.insert(k, d);
+        }
+    }
+}
+
 struct PendingPost {
     request: u64,
     op: Op,
@@ -142,7 +166,12 @@ pub(crate) struct Spawned {
 }
 
 /// Starts a worker thread for `specs` (one per domain) and waits (bounded) until it is ready.
-pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks: CallbackQueue) -> Result<Spawned> {
+pub(crate) fn spawn(
+    config: &EngineConfig,
+    imm: Arc<ImmCounterTable>,
+    callbacks: CallbackQueue,
+    probe: Arc<LatencyProbe>,
+) -> Result<Spawned> {
     let (tx, rx) = bounded::<Command>(config.queue_depth.max(1));
     let leftovers = rx.clone();
     let (ready_tx, ready_rx) = bounded::<Result<WorkerInfo>>(1);
@@ -156,7 +185,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                     tracing::warn!("could not pin the worker to CPU {cpu}");
                 }
             }
-            match Worker::open(&config, rx, imm, callbacks) {
+            match Worker::open(&config, rx, imm, callbacks, probe) {
                 Ok(mut worker) => {
                     let info = WorkerInfo {
                         provider: worker.domains[0].domain.provider_name(),
@@ -258,6 +287,8 @@ struct Worker {
     triggers: triggers::Triggers,
     /// Same-host immediates: this engine's inbox and the peers' it pushes into.
     inboxes: inbox::Inboxes,
+    /// Stage times for latency tests (off unless the application enabled it).
+    probe: Arc<LatencyProbe>,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -269,6 +300,7 @@ impl Worker {
         rx: Receiver<Command>,
         imm: Arc<ImmCounterTable>,
         callbacks: CallbackQueue,
+        probe: Arc<LatencyProbe>,
     ) -> Result<Self> {
         let domains = config
             .provider
@@ -326,6 +358,7 @@ impl Worker {
             staged: staged::Staged::new(config)?,
             triggers: HashMap::new(),
             inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
+            probe,
             domains,
         })
     }
@@ -339,6 +372,7 @@ impl Worker {
             for _ in 0..64 {
                 match self.rx.try_recv() {
                     Ok(cmd) => {
+                        self.probe.mark(Stage::Dequeued);
                         active = true;
                         if !self.handle(cmd) {
                             return;
@@ -367,6 +401,7 @@ impl Worker {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
                         Ok(cmd) => {
+                            self.probe.mark(Stage::Dequeued);
                             last_active = Instant::now();
                             if !self.handle(cmd) {
                                 return;
@@ -473,6 +508,9 @@ impl Worker {
 
     /// The error for a request to a fenced peer, if one of `peers` is.
     fn fence_error<'a>(&self, mut peers: impl Iterator<Item = &'a Target>) -> Option<FabricError> {
+        if self.fenced.is_empty() {
+            return None; // the common case: no address to hash
+        }
         let fenced = peers.any(|p| p.addresses.first().is_some_and(|first| self.fenced.contains(first)));
         fenced.then(|| {
             FabricError::PeerFenced(
@@ -508,15 +546,9 @@ impl Worker {
     }
 
     /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
-    fn dest(
-        &mut self,
-        cache: &mut HashMap<(u32, u16), u64>,
-        targets: &[Target],
-        peer: u32,
-        domain: u16,
-    ) -> Result<u64> {
-        if let Some(d) = cache.get(&(peer, domain)) {
-            return Ok(*d);
+    fn dest(&mut self, cache: &mut DestCache, targets: &[Target], peer: u32, domain: u16) -> Result<u64> {
+        if let Some(d) = cache.get((peer, domain)) {
+            return Ok(d);
         }
         let addr = &targets[peer as usize].addresses[domain as usize];
         let d = self.domains[domain as usize].domain.resolve_peer(addr)?;
@@ -541,7 +573,7 @@ impl Worker {
                 }
             }
         };
-        let mut cache = HashMap::new();
+        let mut cache = DestCache::default();
         let mut resolved = Vec::with_capacity(deferred.len());
         for d in &deferred {
             let (key, remote_base) = targets[d.peer as usize].keys[d.domain as usize];
@@ -778,6 +810,7 @@ impl Worker {
         };
         match posted {
             Ok(Posted::Ok) => {
+                self.probe.mark_first_post();
                 let counters = &self.stats[domain];
                 counters.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 counters.bytes.fetch_add(post.op.len() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -833,10 +866,15 @@ impl Worker {
                 completions.clear();
                 match self.domains[domain].domain.poll(&mut completions) {
                     Ok(0) => break,
-                    Ok(_) => {
+                    Ok(n) => {
                         active = true;
                         for c in completions.drain(..) {
                             self.on_completion(c);
+                        }
+                        if n < crate::provider::libfabric::CQ_BATCH {
+                            // Drained: count and hand over what arrived now rather than pay
+                            // another progress call (a system call on tcp) first.
+                            break;
                         }
                     }
                     Err(e) => {
@@ -869,6 +907,7 @@ impl Worker {
 
     /// Reports a request's outcome: counters are bumped here, callbacks wait for `flush_done`.
     fn notify(&mut self, on_done: Notify, result: Result<()>) {
+        self.probe.mark(Stage::Completed);
         match on_done {
             Notify::Counter(counter) => counter.complete(result),
             Notify::Callback(cb) => self.done.push((cb, result)),
@@ -882,11 +921,23 @@ impl Worker {
             0 => {}
             1 => {
                 let (on_done, result) = self.done.pop().expect("one");
-                self.callbacks.push(Box::new(move || on_done(result)));
+                if self.probe.enabled() {
+                    let probe = self.probe.clone();
+                    self.callbacks.push(Box::new(move || {
+                        probe.mark(Stage::CallbackRun);
+                        on_done(result)
+                    }));
+                } else {
+                    self.callbacks.push(Box::new(move || on_done(result)));
+                }
             }
             _ => {
                 let done = std::mem::take(&mut self.done);
+                let probe = self.probe.enabled().then(|| self.probe.clone());
                 self.callbacks.push(Box::new(move || {
+                    if let Some(probe) = probe {
+                        probe.mark(Stage::CallbackRun);
+                    }
                     for (on_done, result) in done {
                         // One panicking callback must not swallow the others of the batch.
                         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| on_done(result))).is_err() {
@@ -906,6 +957,7 @@ impl Worker {
                 None => tracing::warn!("completion with an unknown context"),
             },
             Completion::RemoteImm { data, context, len } => {
+                self.probe.mark(Stage::ImmSeen);
                 if let Some(OpKind::Recv { slot, domain }) = self.take_context(context) {
                     if !self.domains[domain as usize].domain.imm_consumes_recv() {
                         // A receive only completes with CQ data for a message sent with it.

@@ -56,6 +56,7 @@ impl Worker {
         let batch = self.feed_triggers(batch);
         if !batch.is_empty() {
             let events = self.imm.add_batch(&batch);
+            self.probe.mark(crate::latency_probe::Stage::ImmCounted);
             self.callbacks.push_imm_events(events);
         }
     }
