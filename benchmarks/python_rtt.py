@@ -136,7 +136,7 @@ def round_trips(a: argparse.Namespace) -> dict:
         ch.send(
             {
                 "type": "hello",
-                "address": engine.main_address().to_hex(),
+                "address": engine.main_address.to_hex(),
                 "descriptor": region.descriptor.to_hex(),
             }
         )
