@@ -26,7 +26,7 @@ pub enum Stage {
     CallbackRun,
     /// The worker read an arriving immediate (completion queue or same-host inbox).
     ImmSeen,
-    /// The worker applied the arrivals to the ImmCounter table (waiters may wake from here).
+    /// The worker applies the arrivals to the ImmCounter table (waiters may wake from here).
     ImmCounted,
     /// `wait_imm_count` returned to its caller.
     WaitReturned,

@@ -289,6 +289,8 @@ struct Worker {
     inboxes: inbox::Inboxes,
     /// Stage times for latency tests (off unless the application enabled it).
     probe: Arc<LatencyProbe>,
+    /// A busy worker yields the CPU after this many consecutive empty polls.
+    yield_every: u32,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -359,6 +361,7 @@ impl Worker {
             triggers: HashMap::new(),
             inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
             probe,
+            yield_every: if crate::spin::spare_cores() { 64 } else { 1 },
             domains,
         })
     }
@@ -367,6 +370,7 @@ impl Worker {
     fn run(&mut self) {
         let mut last_active = Instant::now();
         let mut iterations: u32 = 0;
+        let mut idle_polls: u32 = 0;
         loop {
             let mut active = false;
             for _ in 0..64 {
@@ -411,9 +415,15 @@ impl Worker {
                         Err(RecvTimeoutError::Disconnected) => return,
                     }
                 }
-                // Yield between empty polls: free when the core is ours alone, and it lets the
-                // application and callback threads run where cores are oversubscribed.
-                _ => std::thread::yield_now(),
+                // Yield between empty polls where cores are oversubscribed, so the application
+                // and callback threads run; with cores to spare only now and then: the system
+                // call would otherwise add its time to the reaction to every arrival.
+                _ => {
+                    idle_polls = idle_polls.wrapping_add(1);
+                    if idle_polls % self.yield_every == 0 {
+                        std::thread::yield_now();
+                    }
+                }
             }
         }
     }
