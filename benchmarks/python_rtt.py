@@ -4,9 +4,10 @@
     python -m benchmarks.python_rtt --connect HOST:PORT [--provider tcp] [--wait counter|future]
                                     [--iters N] [--warmup-iters N] [--breakdown]
 
-Each round trip is ``submit_imm(ping, server_region)`` followed by ``ImmCounter.wait(1)`` on the
-pong (``--wait counter``) or by the Future of ``expect_imm_count(pong, 1)`` armed before the
-submit (``--wait future``); the server (armed with one triggered pong per ping) answers.
+Each round trip is ``submit_imm(ping, server_address)`` (an immediate to the server's engine)
+followed by ``ImmCounter.wait(1)`` on the pong (``--wait counter``) or by the Future of
+``expect_imm_count(pong, 1)`` armed before the submit (``--wait future``); the server (armed with
+one triggered pong per ping) answers.
 ``--breakdown`` turns the engine's latency probe on and reports p50/p99 per step, with the same
 step names as ``fabric-debug client --breakdown``: ``app_to_enqueued`` and
 ``wait_returned_to_app`` here include the Python layer (argument conversion, releasing and taking
@@ -131,8 +132,8 @@ def round_trips(a: argparse.Namespace) -> dict:
         hello = ch.recv()
         if hello.get("type") != "hello":
             raise BootstrapError(f"expected the server's hello, got {hello!r}")
-        server_region = MrDescriptor.from_hex(hello["descriptor"])
-        EngineAddress.from_hex(hello["address"])  # checked: the server is a fabric-lib engine
+        MrDescriptor.from_hex(hello["descriptor"])  # checked: a fabric-lib peer's hello
+        server = EngineAddress.from_hex(hello["address"])
         ch.send(
             {
                 "type": "hello",
@@ -152,12 +153,12 @@ def round_trips(a: argparse.Namespace) -> dict:
             if a.wait == "future":
                 pong = engine.expect_imm_count(IMM_PONG, 1)
                 start = time.monotonic_ns()
-                ping = engine.submit_imm(IMM_PING, server_region)
+                ping = engine.submit_imm(IMM_PING, server)
                 pong.result(timeout=a.timeout)
                 end = time.monotonic_ns()
             else:
                 start = time.monotonic_ns()
-                ping = engine.submit_imm(IMM_PING, server_region)
+                ping = engine.submit_imm(IMM_PING, server)
                 counter.wait(1, a.timeout)
                 end = time.monotonic_ns()
             if a.breakdown:

@@ -1,5 +1,6 @@
-//! Immediate round-trip latency: the client sends a zero-byte write carrying `ping`; the
-//! server's expectation on `ping` fires and it sends `pong` back; the client waits for `pong`.
+//! Immediate round-trip latency: the client sends the immediate `ping` to the server's engine
+//! (a zero-byte write into its immediate slot, as `raw_write` does into its peer's buffer); the
+//! server answers each with `pong` to the client's engine; the client waits for `pong`.
 //!
 //! With `breakdown`, the engine's latency probe records when each round trip passed each stage
 //! (see `fabric_lib::latency_probe`), and the test reports p50/p99 per step between stages.
@@ -97,7 +98,7 @@ impl Breakdown {
 impl RoundTrips<'_> {
     fn one(&self, tracker: &std::sync::Arc<Tracker>, seen: u64) -> Result<Duration> {
         let start = Instant::now();
-        self.engine.submit_imm(self.ping, self.dst, tracker.callback()).context("posting a ping")?;
+        self.engine.submit_imm_to(self.ping, &self.dst.owner, tracker.callback()).context("posting a ping")?;
         match self.wait {
             WaitKind::Block => self.engine.wait_imm_count(self.pong, 1, self.timeout).context("waiting for a pong")?,
             WaitKind::Spin => spin_until(

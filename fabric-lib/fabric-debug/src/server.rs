@@ -136,7 +136,7 @@ fn arm_triggered_echo(engine: &TransferEngine, dst: &MrDescriptor, ping: u32, po
             Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
         });
         let when = fabric_lib::Trigger { imm: ping, count: 1, timeout: None };
-        engine.arm_imm(when, pong, dst, on_done).context("arming a triggered pong")?;
+        engine.arm_imm_to(when, pong, &dst.owner, on_done).context("arming a triggered pong")?;
     }
     Ok(())
 }
@@ -159,7 +159,7 @@ fn arm_echo(engine: Weak<TransferEngine>, dst: Arc<MrDescriptor>, ping: u32, pon
                     Ok(()) | Err(fabric_lib::FabricError::Stopped) => {}
                     Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
                 });
-                if let Err(err) = e.submit_imm(pong, &dst, on_done) {
+                if let Err(err) = e.submit_imm_to(pong, &dst.owner, on_done) {
                     eprintln!("fabric-debug server: posting a pong failed: {err}");
                 }
                 if let Err(err) = arm_echo(engine, dst, ping, pong, remaining - 1) {
