@@ -253,7 +253,9 @@ class TransferEngine:
             receiver's memory; a write the receiver refuses fails with TransferError),
             "transmit" (the source may be reused; only the receiver's immediate count says the
             bytes arrived) or "auto" (delivery on tcp and sockets, whose refusals are reported no
-            other way, transmit elsewhere) ["auto"].
+            other way, transmit elsewhere; immediates sent to an engine, ``submit_imm`` to an
+            EngineAddress and barriers, use transmit everywhere: an engine's immediate slots
+            cannot refuse them) ["auto"].
         gpu_network: ask for FI_HMEM and register GPU memory with the NIC, so peers on other
             hosts reach GPU regions directly. None: on RDMA providers (efa, verbs;ofi_rxm) only;
             True: also on software providers that offer it (shm of a CUDA-enabled libfabric)
@@ -1087,7 +1089,7 @@ class TransferEngine:
         hands it to the worker's queue), ``dequeued`` (the worker took it), ``posted`` (its first post to the
         provider returned), ``completed`` (the worker saw it finish), ``callback_run`` (its
         completion callback started), ``imm_seen`` (the worker read an arriving immediate),
-        ``imm_counted`` (it applied it to the counters) and ``wait_returned`` (a wait on a count
+        ``imm_counted`` (it applies it to the counters) and ``wait_returned`` (a wait on a count
         returned in the native layer). Each stage keeps its latest event only: meaningful with
         one request in flight at a time (a latency test). Stamp the application's own call with
         ``time.monotonic_ns()`` to compare."""
