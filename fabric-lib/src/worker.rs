@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::callback::CallbackQueue;
 use crate::commands::{Command, RecvCallback, SameHostTransfer, SendCommand, Target, Transfer, SCRATCH_REGION};
@@ -240,23 +241,25 @@ struct Worker {
     oversized_messages: Arc<AtomicU64>,
     max_message_size: usize,
 
-    requests: HashMap<u64, Request>,
+    /// The maps below are touched for every operation: keyed by ids and pointers this engine
+    /// made (or immediates it counts), they use a fast non-keyed hash.
+    requests: FxHashMap<u64, Request>,
     next_request: u64,
     deadlines: VecDeque<(Instant, u64)>,
     /// Posts the provider pushed back on, per domain and destination, each in order. Keyed by
     /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
     /// posts to other peers.
-    pending: Vec<HashMap<u64, VecDeque<PendingPost>>>,
+    pending: Vec<FxHashMap<u64, VecDeque<PendingPost>>>,
     /// Messages waiting for a free send buffer (request, peer, bytes, remote CQ data).
     waiting_sends: VecDeque<(u64, u64, Vec<u8>, Option<u64>)>,
-    outstanding: HashSet<usize>,
+    outstanding: FxHashSet<usize>,
     /// Receive contexts by address: (domain, slot). Completions are only ever matched against
     /// these and `outstanding`; an unknown pointer (e.g. the undefined op_context of a remote
     /// write completion) is never dereferenced.
-    recv_contexts: HashMap<usize, (u16, usize)>,
+    recv_contexts: FxHashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
     /// Immediates counted in this round, by (epoch tag, immediate).
-    imm_batch: HashMap<(u32, u32), u32>,
+    imm_batch: FxHashMap<(u32, u32), u32>,
     stats: Arc<[DomainCounters]>,
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
@@ -338,14 +341,14 @@ impl Worker {
             held: VecDeque::new(),
             oversized_messages: Arc::new(AtomicU64::new(0)),
             max_message_size: config.max_message_size,
-            requests: HashMap::new(),
+            requests: FxHashMap::default(),
             next_request: 1,
             deadlines: VecDeque::new(),
-            pending: (0..domains.len()).map(|_| HashMap::new()).collect(),
+            pending: (0..domains.len()).map(|_| FxHashMap::default()).collect(),
             waiting_sends: VecDeque::new(),
-            outstanding: HashSet::new(),
+            outstanding: FxHashSet::default(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
-            imm_batch: HashMap::new(),
+            imm_batch: FxHashMap::default(),
             done: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
             same_host: None,
