@@ -261,6 +261,16 @@ def run_python_rtt(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
         raise BenchError(f"python_rtt printed no JSON report:\n{out[-2000:]}") from e
 
 
+def python_summary(rounds: list[dict], rust_p50_us: float | None) -> dict:
+    """Medians of the Python round trips, and how far the p50 lies above fabric-debug's."""
+    p50 = combine(rounds, lambda r: r["rtt"]["p50_us"])
+    return {
+        "p50_us": p50,
+        "p99_us": combine(rounds, lambda r: r["rtt"]["p99_us"]),
+        "above_rust_p50_us": p50 - rust_p50_us if p50 is not None and rust_p50_us is not None else None,
+    }
+
+
 def breakdown_summary(rounds: list[dict]) -> list[dict]:
     """Per step of the round trip: medians over rounds of its p50 and p99."""
     steps: list[str] = []
@@ -358,17 +368,7 @@ def compare(
             "ratio": op_ratio,
         },
         "rtt": lat,
-        "python_rtt": {
-            "p50_us": combine(python_rounds, lambda r: r["rtt"]["p50_us"]),
-            "p99_us": combine(python_rounds, lambda r: r["rtt"]["p99_us"]),
-            "above_rust_p50_us": (
-                combine(python_rounds, lambda r: r["rtt"]["p50_us"]) - lat["fabric_lib_p50_us"]
-                if lat["fabric_lib_p50_us"] is not None
-                else None
-            ),
-        }
-        if python_rounds
-        else None,
+        "python_rtt": python_summary(python_rounds, lat["fabric_lib_p50_us"]) if python_rounds else None,
         "breakdown": {
             "fabric_lib": breakdown_summary(fab_rounds),
             "python": breakdown_summary(python_rounds or []),

@@ -53,7 +53,7 @@ fn next(rx: &Receiver<Message>, spin: Duration) -> Option<Message> {
                 Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
                 Err(crossbeam_channel::TryRecvError::Empty) => {
                     polls = polls.wrapping_add(1);
-                    if polls % 64 != 0 {
+                    if !polls.is_multiple_of(64) {
                         std::hint::spin_loop();
                     } else if std::time::Instant::now() < until {
                         std::thread::yield_now();

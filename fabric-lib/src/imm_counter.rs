@@ -211,7 +211,7 @@ impl ImmCounterTable {
         let mut polls: u32 = 0;
         while self.generation.load(Ordering::Acquire) == seen {
             polls = polls.wrapping_add(1);
-            if polls % 64 != 0 {
+            if !polls.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }

@@ -427,7 +427,7 @@ impl Worker {
                 // call would otherwise add its time to the reaction to every arrival.
                 _ => {
                     idle_polls = idle_polls.wrapping_add(1);
-                    if idle_polls % self.yield_every == 0 {
+                    if idle_polls.is_multiple_of(self.yield_every) {
                         std::thread::yield_now();
                     }
                 }
