@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import statistics
@@ -224,12 +225,35 @@ def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     }
 
 
+_TURNAROUND = re.compile(
+    r"ping -> pong .*imm_seen_to_fired ([0-9.]+) / ([0-9.]+), fired_to_posted ([0-9.]+) / ([0-9.]+)"
+)
+
+
+def with_server_steps(result: dict, server_err: Path) -> dict:
+    """Adds the server's ping -> pong steps (``fabric-debug server --breakdown`` prints them on
+    stderr) to the round trip's breakdown, as ``server_imm_seen_to_fired`` and
+    ``server_fired_to_posted``."""
+    match = _TURNAROUND.search(_tail(server_err, 100_000))
+    rtt = result.get("rtt")
+    if match and rtt is not None:
+        f50, f99, p50, p99 = (float(g) for g in match.groups())
+        rtt.setdefault("breakdown", []).extend(
+            [
+                {"step": "server_imm_seen_to_fired", "p50_us": f50, "p99_us": f99},
+                {"step": "server_fired_to_posted", "p50_us": p50, "p99_us": p99},
+            ]
+        )
+    return result
+
+
 def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path, same_host: bool = False) -> dict:
     mode = ["--adaptive"] if a.poll == "adaptive" else ["--busy"]
     mode += ["--write-completion", a.write_completion]
     mode += ["--same-host-host-memory"] if same_host else []
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
+    server += ["--breakdown"] if a.breakdown else []
     client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
     if a.read_sizes:
         client += ["--tests", "throughput,read,oprate,rtt"]
@@ -238,9 +262,10 @@ def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path, same_host: boo
         "fabric-lib", pinned(a.server_cpus, server), pinned(a.client_cpus, client), a.timeout, logdir
     )
     try:
-        return json.loads(out.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError) as e:
         raise BenchError(f"fabric-debug printed no JSON report:\n{out[-2000:]}") from e
+    return with_server_steps(result, logdir / "fabric-lib-server.err")
 
 
 def run_python_rtt(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
@@ -249,6 +274,7 @@ def run_python_rtt(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     mode += ["--write-completion", a.write_completion]
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
+    server += ["--breakdown"] if a.breakdown else []
     client = [sys.executable, str(REPO / "benchmarks" / "python_rtt.py"), "--provider", a.provider]
     client += ["--poll", a.poll, "--write-completion", a.write_completion, "--wait", a.python_wait]
     client += ["--iters", str(a.iters), "--warmup-iters", str(a.warmup_iters)]
@@ -256,9 +282,10 @@ def run_python_rtt(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     client += ["--breakdown"] if a.breakdown else []
     out = run_pair("python", pinned(a.server_cpus, server), pinned(a.client_cpus, client), a.timeout, logdir)
     try:
-        return json.loads(out.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError) as e:
         raise BenchError(f"python_rtt printed no JSON report:\n{out[-2000:]}") from e
+    return with_server_steps(result, logdir / "python-server.err")
 
 
 def python_summary(rounds: list[dict], rust_p50_us: float | None) -> dict:

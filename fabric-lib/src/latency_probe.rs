@@ -16,7 +16,7 @@ pub enum Stage {
     /// The engine checked and planned the request and hands its command to the worker's queue
     /// (the queue's push and the worker's wake-up belong to the next step).
     Enqueued,
-    /// The worker took a command from its queue.
+    /// The worker took a command from its queue, or fired an armed one (`arm_*`).
     Dequeued,
     /// The first post of the latest dequeued command returned (e.g. `fi_writedata`).
     Posted,
