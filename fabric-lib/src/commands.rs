@@ -24,9 +24,6 @@ pub(crate) const SCRATCH_REGION: u64 = 0;
 pub(crate) struct Target {
     pub addresses: Vec<Vec<u8>>,
     pub keys: Vec<(u64, u64)>,
-    /// The keys are the peer engine's immediate slots, registered for as long as it runs: a
-    /// zero-byte write there is never refused (see `WriteCompletion::Auto`).
-    pub imm_slots: bool,
 }
 
 /// A validated, planned request of one or more writes.

@@ -63,10 +63,7 @@ pub enum WriteCompletion {
     /// Delivery where the provider reports a receiver's refusal only that way (tcp, sockets:
     /// with transmit completion a refused write "succeeds" and the connection breaks), transmit
     /// elsewhere (RDMA NICs report remote access errors either way; libfabric 1.17's shm
-    /// stalls on refused delivery-complete writes). Immediates sent to an engine (its
-    /// immediate slots, e.g. `submit_imm_to`) go with transmit completion everywhere: those
-    /// slots stay registered while the engine runs, so nothing can refuse them, and on tcp
-    /// delivery completion costs a round trip an acknowledgement message each way.
+    /// stalls on refused delivery-complete writes).
     Auto,
     /// Done once the bytes are in the receiver's memory (FI_DELIVERY_COMPLETE): refused
     /// writes fail with an error. One more message per write on software providers.

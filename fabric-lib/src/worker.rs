@@ -270,9 +270,6 @@ struct Worker {
     exited: Arc<AtomicBool>,
     /// Whether writes ask for delivery completion (see `WriteCompletion`).
     delivery: bool,
-    /// The same for immediate-only writes into engines' immediate slots, which are never
-    /// refused: only where delivery was asked for explicitly.
-    slot_delivery: bool,
     /// Peers (by their first domain's endpoint) that a request timed out on: nothing is sent
     /// to them until the application re-admits them.
     fenced: HashSet<Vec<u8>>,
@@ -356,7 +353,6 @@ impl Worker {
             paged_copy_blocks: config.paged_copy_blocks,
             exited: Arc::new(AtomicBool::new(false)),
             delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
-            slot_delivery: config.write_completion == crate::config::WriteCompletion::Delivery,
             fenced: HashSet::new(),
             wide_cq_data: domains.iter().all(|d| d.domain.wide_cq_data()),
             own_tag: crate::epoch::draw_tag(|_| false)?,
@@ -599,9 +595,7 @@ impl Worker {
                 Err(e) => return self.fail_request(id, e),
             }
         }
-        // Writes into engines' immediate slots are immediate-only and never refused.
-        let to_slots = !targets.is_empty() && targets.iter().all(|t| t.imm_slots);
-        let delivery = (if to_slots { self.slot_delivery } else { self.delivery }) || !resolved.is_empty();
+        let delivery = self.delivery || !resolved.is_empty();
         self.requests.get_mut(&id).expect("just inserted").deferred = resolved;
         if shards.is_empty() {
             // Immediate-only request (barrier, or no data): the deferred imms are the request.
@@ -673,7 +667,7 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
-        let target = Target { addresses: vec![peer], keys: Vec::new(), imm_slots: false };
+        let target = Target { addresses: vec![peer], keys: Vec::new() };
         if let Some(e) = self.fence_error(std::iter::once(&target)) {
             return self.finish(id, Err(e));
         }
@@ -1053,8 +1047,6 @@ impl Worker {
         }
         if req.error.is_none() && !req.deferred.is_empty() {
             let deferred = std::mem::take(&mut req.deferred);
-            let to_slots = !req.peers.is_empty() && req.peers.iter().all(|p| p.imm_slots);
-            let delivery = if to_slots { self.slot_delivery } else { self.delivery };
             req.remaining = deferred.len();
             for (d, dest, key, remote_base) in deferred {
                 let domain = d.domain as usize;
@@ -1067,7 +1059,7 @@ impl Worker {
                     remote_addr: remote_base,
                     key,
                     imm: Some(d.imm),
-                    delivery,
+                    delivery: self.delivery,
                 };
                 self.post_or_queue(domain, PendingPost { request, op });
             }

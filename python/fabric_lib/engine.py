@@ -253,9 +253,7 @@ class TransferEngine:
             receiver's memory; a write the receiver refuses fails with TransferError),
             "transmit" (the source may be reused; only the receiver's immediate count says the
             bytes arrived) or "auto" (delivery on tcp and sockets, whose refusals are reported no
-            other way, transmit elsewhere; immediates sent to an engine, ``submit_imm`` to an
-            EngineAddress and barriers, use transmit everywhere: an engine's immediate slots
-            cannot refuse them) ["auto"].
+            other way, transmit elsewhere) ["auto"].
         gpu_network: ask for FI_HMEM and register GPU memory with the NIC, so peers on other
             hosts reach GPU regions directly. None: on RDMA providers (efa, verbs;ofi_rxm) only;
             True: also on software providers that offer it (shm of a CUDA-enabled libfabric)

@@ -54,7 +54,6 @@ impl TransferEngine {
         Ok(Target {
             addresses: dst.keys.iter().map(|k| k.address.endpoint.clone()).collect(),
             keys: dst.keys.iter().map(|k| (k.key, k.remote_base)).collect(),
-            imm_slots: false,
         })
     }
 
@@ -76,7 +75,6 @@ impl TransferEngine {
         Ok(Target {
             addresses: peer.domains.iter().map(|d| d.endpoint.clone()).collect(),
             keys: peer.domains.iter().map(|d| (d.imm_key, d.imm_base)).collect(),
-            imm_slots: true,
         })
     }
 
@@ -148,7 +146,6 @@ impl TransferEngine {
                 target: Target {
                     addresses: l.keys.iter().map(|k| k.address.endpoint.clone()).collect(),
                     keys: l.keys.iter().map(|k| (k.key, k.remote_base)).collect(),
-                    imm_slots: false,
                 },
                 dest: StagedDest::Landing {
                     chunk_bytes: l.chunk_bytes,
