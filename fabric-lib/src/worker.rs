@@ -31,6 +31,8 @@ use crate::sharding::DeferredImm;
 /// messages stay in their receive buffers, which are not re-posted: the provider then holds
 /// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
+/// Contexts of completed posts kept for reuse (more are freed).
+const SPARE_CONTEXTS: usize = 4096;
 
 mod epochs;
 mod inbox;
@@ -258,6 +260,8 @@ struct Worker {
     /// write completion) is never dereferenced.
     recv_contexts: FxHashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
+    /// Contexts of completed posts, reused by the next ones.
+    spare_contexts: Vec<Box<OpContext>>,
     /// Immediates counted in this round, by (epoch tag, immediate).
     imm_batch: FxHashMap<(u32, u32), u32>,
     stats: Arc<[DomainCounters]>,
@@ -345,6 +349,7 @@ impl Worker {
             waiting_sends: VecDeque::new(),
             outstanding: FxHashSet::default(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
+            spare_contexts: Vec::new(),
             imm_batch: FxHashMap::default(),
             done: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
@@ -667,7 +672,7 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
-        let target = Target { addresses: vec![peer], keys: Vec::new() };
+        let target = Target { addresses: smallvec::smallvec![peer], keys: Vec::new() };
         if let Some(e) = self.fence_error(std::iter::once(&target)) {
             return self.finish(id, Err(e));
         }
@@ -765,7 +770,7 @@ impl Worker {
             Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
             Op::Read { region, .. } => OpKind::Read { request: post.request, region },
         };
-        let context = Box::into_raw(OpContext::new(kind));
+        let context = Box::into_raw(self.new_context(kind));
         let imm_data = match post.op {
             Op::Write { imm: Some(imm), dest, .. } => Some(self.cq_data(domain, dest, imm)),
             _ => None,
@@ -785,7 +790,7 @@ impl Worker {
                             None => {
                                 // Cannot happen (a region with queued posts cannot be
                                 // unregistered), but must not take the worker down if it does.
-                                drop(Box::from_raw(context));
+                                self.recycle_context(Box::from_raw(context));
                                 let e = format!("memory handle {region} is no longer registered");
                                 return Err(FabricError::InvalidArgument(e));
                             }
@@ -813,7 +818,7 @@ impl Worker {
                         Some(mr) => d.domain.post_read(ptr as *mut u8, len, mr.desc(), dest, remote_addr, key, context),
                         None => {
                             // As for writes: a region with queued posts cannot be unregistered.
-                            drop(Box::from_raw(context));
+                            self.recycle_context(Box::from_raw(context));
                             let e = format!("memory handle {region} is no longer registered");
                             return Err(FabricError::InvalidArgument(e));
                         }
@@ -832,7 +837,7 @@ impl Worker {
             }
             other => {
                 // SAFETY: the provider did not take the context; we still own it.
-                drop(unsafe { Box::from_raw(context) });
+                self.recycle_context(unsafe { Box::from_raw(context) });
                 other.map(|_| false)
             }
         }
@@ -1001,9 +1006,27 @@ impl Worker {
             // SAFETY: `outstanding` holds exactly the request contexts we leaked with
             // Box::into_raw and have not freed; removing it first makes this the only free.
             let boxed = unsafe { Box::from_raw(context) };
-            return Some(boxed.kind);
+            let kind = boxed.kind;
+            self.recycle_context(boxed);
+            return Some(kind);
         }
         self.recv_contexts.get(&addr).map(|&(domain, slot)| OpKind::Recv { slot, domain })
+    }
+
+    /// A context for a post: a recycled one if there is one (no allocation per operation).
+    fn new_context(&mut self, kind: OpKind) -> Box<OpContext> {
+        match self.spare_contexts.pop() {
+            Some(spare) => spare.reuse(kind),
+            None => OpContext::new(kind),
+        }
+    }
+
+    /// Keeps a context the provider no longer references (its completion was read, or the post
+    /// did not take it) for the next post.
+    fn recycle_context(&mut self, context: Box<OpContext>) {
+        if self.spare_contexts.len() < SPARE_CONTEXTS {
+            self.spare_contexts.push(context);
+        }
     }
 
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {
