@@ -260,7 +260,9 @@ struct Worker {
     /// write completion) is never dereferenced.
     recv_contexts: FxHashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
-    /// Contexts of completed posts, reused by the next ones.
+    /// Contexts of completed posts, reused by the next ones (boxed: a posted context's address
+    /// is the provider's, so contexts never move).
+    #[allow(clippy::vec_box)]
     spare_contexts: Vec<Box<OpContext>>,
     /// Immediates counted in this round, by (epoch tag, immediate).
     imm_batch: FxHashMap<(u32, u32), u32>,
