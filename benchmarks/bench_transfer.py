@@ -1,13 +1,16 @@
 """Compare fabric-lib with a raw-libfabric loop, server and client on one host.
 
     python -m benchmarks.bench_transfer [--provider tcp] [--sizes 4K,1M,64M] [--same-host] [--json-out PATH]
+        [--breakdown] [--python-rtt] [--server-cpus 2-4 --client-cpus 5-7]
 
 Builds `fabric-debug` (``cargo build --release -p fabric-debug``) if its binary is missing,
 compiles ``benchmarks/raw_libfabric/raw_write.c`` into ``<target>/raw_libfabric/``, then runs a
 server/client pair of each on loopback with the same sizes, window and repetitions, and prints
 one table: write throughput per size (raw, fabric-lib, ratio), read throughput per
 ``--read-sizes`` (``fi_read`` against ``submit_read``), 64-byte op rate, and imm round-trip
-latency. Results go to ``bench-results/bench_transfer.json`` (the shared result format of
+latency (with ``--breakdown``, p50/p99 per step of the round trip from the engine's latency
+probe; with ``--python-rtt``, the same round trip from Python, ``benchmarks/python_rtt.py``,
+against the same server). Results go to ``bench-results/bench_transfer.json`` (the shared result format of
 ``benchmarks/report.py``) with a throughput plot beside it, unless ``--json-out`` says
 otherwise; ``python -m benchmarks.compare A.json B.json`` compares two runs. A failed run exits
 non-zero with the child's stderr; every child is bounded by a timeout and killed when this script
@@ -20,6 +23,8 @@ import argparse
 import json
 import os
 import queue
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -201,10 +206,16 @@ def common_args(a: argparse.Namespace) -> list[str]:
     return args + (["--domain", a.domain] if a.domain else [])
 
 
+def pinned(cpus: str | None, cmd: list[str]) -> list[str]:
+    """``cmd`` under ``taskset -c cpus`` (unchanged without cpus)."""
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
 def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"]
     server += ["--domain", a.domain] if a.domain else []
-    out = run_pair("raw", server, [str(binary), "client"] + common_args(a), a.timeout, logdir)
+    client = [str(binary), "client"] + common_args(a)
+    out = run_pair("raw", pinned(a.server_cpus, server), pinned(a.client_cpus, client), a.timeout, logdir)
     tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {
         "throughput": [t for t in tests if t["test"] == "throughput"],
@@ -214,20 +225,100 @@ def run_raw(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     }
 
 
+_TURNAROUND = re.compile(
+    r"ping -> pong .*imm_seen_to_fired ([0-9.]+) / ([0-9.]+), fired_to_posted ([0-9.]+) / ([0-9.]+)"
+)
+
+
+def with_server_steps(result: dict, server_err: Path) -> dict:
+    """Adds the server's ping -> pong steps (``fabric-debug server --breakdown`` prints them on
+    stderr) to the round trip's breakdown, as ``server_imm_seen_to_fired`` and
+    ``server_fired_to_posted``."""
+    match = _TURNAROUND.search(_tail(server_err, 100_000))
+    rtt = result.get("rtt")
+    if match and rtt is not None:
+        f50, f99, p50, p99 = (float(g) for g in match.groups())
+        rtt.setdefault("breakdown", []).extend(
+            [
+                {"step": "server_imm_seen_to_fired", "p50_us": f50, "p99_us": f99},
+                {"step": "server_fired_to_posted", "p50_us": p50, "p99_us": p99},
+            ]
+        )
+    return result
+
+
 def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path, same_host: bool = False) -> dict:
     mode = ["--adaptive"] if a.poll == "adaptive" else ["--busy"]
     mode += ["--write-completion", a.write_completion]
     mode += ["--same-host-host-memory"] if same_host else []
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
+    server += ["--breakdown"] if a.breakdown else []
     client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
     if a.read_sizes:
         client += ["--tests", "throughput,read,oprate,rtt"]
-    out = run_pair("fabric-lib", server, client, a.timeout, logdir)
+    client += ["--breakdown"] if a.breakdown else []
+    out = run_pair(
+        "fabric-lib", pinned(a.server_cpus, server), pinned(a.client_cpus, client), a.timeout, logdir
+    )
     try:
-        return json.loads(out.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError) as e:
         raise BenchError(f"fabric-debug printed no JSON report:\n{out[-2000:]}") from e
+    return with_server_steps(result, logdir / "fabric-lib-server.err")
+
+
+def run_python_rtt(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
+    """The imm round trip from Python (benchmarks/python_rtt.py) against a fabric-debug server."""
+    mode = ["--adaptive"] if a.poll == "adaptive" else ["--busy"]
+    mode += ["--write-completion", a.write_completion]
+    server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
+    server += ["--domain", a.domain] if a.domain else []
+    server += ["--breakdown"] if a.breakdown else []
+    client = [sys.executable, str(REPO / "benchmarks" / "python_rtt.py"), "--provider", a.provider]
+    client += ["--poll", a.poll, "--write-completion", a.write_completion, "--wait", a.python_wait]
+    client += ["--iters", str(a.iters), "--warmup-iters", str(a.warmup_iters)]
+    client += ["--domain", a.domain] if a.domain else []
+    client += ["--breakdown"] if a.breakdown else []
+    out = run_pair("python", pinned(a.server_cpus, server), pinned(a.client_cpus, client), a.timeout, logdir)
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError) as e:
+        raise BenchError(f"python_rtt printed no JSON report:\n{out[-2000:]}") from e
+    return with_server_steps(result, logdir / "python-server.err")
+
+
+def python_summary(rounds: list[dict], rust_p50_us: float | None) -> dict:
+    """Medians of the Python round trips, and how far the p50 lies above fabric-debug's."""
+    p50 = combine(rounds, lambda r: r["rtt"]["p50_us"])
+    return {
+        "p50_us": p50,
+        "p99_us": combine(rounds, lambda r: r["rtt"]["p99_us"]),
+        "above_rust_p50_us": p50 - rust_p50_us if p50 is not None and rust_p50_us is not None else None,
+    }
+
+
+def breakdown_summary(rounds: list[dict]) -> list[dict]:
+    """Per step of the round trip: medians over rounds of its p50 and p99."""
+    steps: list[str] = []
+    for r in rounds:
+        for step in (r.get("rtt") or {}).get("breakdown", []):
+            if step["step"] not in steps:
+                steps.append(step["step"])
+
+    def pick(name: str, key: str):
+        return lambda r: next(
+            (s[key] for s in (r.get("rtt") or {}).get("breakdown", []) if s["step"] == name), None
+        )
+
+    return [
+        {
+            "step": name,
+            "p50_us": combine(rounds, pick(name, "p50_us")),
+            "p99_us": combine(rounds, pick(name, "p99_us")),
+        }
+        for name in steps
+    ]
 
 
 def ratio(x: float | None, y: float | None) -> float | None:
@@ -264,6 +355,7 @@ def compare(
     sizes: list[int],
     read_sizes: list[int] | None = None,
     same_host_rounds: list[dict] | None = None,
+    python_rounds: list[dict] | None = None,
 ) -> dict:
     def size_pick(size, key, series="throughput"):
         return lambda r: next((t[key] for t in r.get(series, []) if t["size"] == size), None)
@@ -303,6 +395,11 @@ def compare(
             "ratio": op_ratio,
         },
         "rtt": lat,
+        "python_rtt": python_summary(python_rounds, lat["fabric_lib_p50_us"]) if python_rounds else None,
+        "breakdown": {
+            "fabric_lib": breakdown_summary(fab_rounds),
+            "python": breakdown_summary(python_rounds or []),
+        },
     }
 
 
@@ -342,6 +439,33 @@ def table(cmp: dict, a: argparse.Namespace, provider: str) -> str:
         f"{fmt(lat['fabric_lib_p99_us'], '.1f')} us (baseline: p50 {fmt(lat['raw_p50_us'], '.1f')} us, "
         f"p99 {fmt(lat['raw_p99_us'], '.1f')} us)"
     )
+    py = cmp.get("python_rtt")
+    if py:
+        out.append(
+            f"imm round trip from Python ({a.python_wait} wait): p50 {fmt(py['p50_us'], '.1f')} us, "
+            f"p99 {fmt(py['p99_us'], '.1f')} us; p50 {fmt(py['above_rust_p50_us'], '+.1f')} us "
+            "against fabric-debug's"
+        )
+    rust_steps, py_steps = cmp["breakdown"]["fabric_lib"], cmp["breakdown"]["python"]
+    if rust_steps or py_steps:
+        out += [
+            "",
+            "round trip per step (engine latency probe; p50 / p99 us; app = the caller's own stamp):",
+            f"  {'step':<30} {'fabric-debug':>17} {'Python':>17}",
+        ]
+        by_py = {s["step"]: s for s in py_steps}
+        names = [s["step"] for s in rust_steps] + [
+            s["step"] for s in py_steps if s["step"] not in {r["step"] for r in rust_steps}
+        ]
+        by_rust = {s["step"]: s for s in rust_steps}
+
+        def cell(s: dict | None) -> str:
+            if s is None:
+                return f"{'-':>17}"
+            return f"{fmt(s['p50_us'], '8.2f')} {fmt(s['p99_us'], '8.2f')}"
+
+        for name in names:
+            out.append(f"  {name:<30} {cell(by_rust.get(name))} {cell(by_py.get(name))}")
     same = cmp.get("same_host")
     if same:
         out += [
@@ -411,6 +535,28 @@ def main(argv: list[str] | None = None) -> int:
         help="also run fabric-lib with same-host writes and immediates (process_vm_writev + the peer's "
         "shared-memory inbox, not the provider) in every round, and report it beside the provider path",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="report where the round trip's time goes, per step (the engine's latency probe)",
+    )
+    p.add_argument(
+        "--python-rtt",
+        action="store_true",
+        help="also measure the round trip from Python (benchmarks/python_rtt.py) in every round",
+    )
+    p.add_argument(
+        "--python-wait",
+        choices=("counter", "future"),
+        default="counter",
+        help="how the Python round trip waits: ImmCounter.wait or the Future of expect_imm_count",
+    )
+    p.add_argument(
+        "--server-cpus",
+        default=None,
+        help="taskset CPU list for every server (e.g. 2-4); give each side several CPUs",
+    )
+    p.add_argument("--client-cpus", default=None, help="taskset CPU list for every client (e.g. 5-7)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per server/client run")
     p.add_argument("--rebuild", action="store_true", help="run cargo build even if the binary exists")
     p.add_argument(
@@ -427,12 +573,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if min(a.window, a.op_window, a.reps, a.rounds, a.ops, a.iters) <= 0:
         p.error("--window, --op-window, --reps, --rounds, --ops and --iters must be positive")
+    if (a.server_cpus or a.client_cpus) and shutil.which("taskset") is None:
+        p.error("--server-cpus/--client-cpus need taskset (util-linux)")
     signal.signal(signal.SIGTERM, _on_signal)
     try:
         fabric_bin = fabric_debug_binary(a.rebuild, a.timeout)
         raw_bin = raw_binary(a.timeout)
-        raw_rounds, fab_rounds, same_rounds = [], [], []
+        raw_rounds, fab_rounds, same_rounds, python_rounds = [], [], [], []
         tools = ("baseline", "fabric-lib") + (("same-host",) if a.same_host else ())
+        tools += ("python",) if a.python_rtt else ()
         with tempfile.TemporaryDirectory(prefix="bench_transfer.") as tmp:
             phases = [(i, tool) for i in range(a.rounds) for tool in tools]
             for _, tool in progress(phases, desc="bench_transfer (baseline and fabric-lib runs)"):
@@ -440,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                     raw_rounds.append(run_raw(a, raw_bin, Path(tmp)))
                 elif tool == "fabric-lib":
                     fab_rounds.append(run_fabric(a, fabric_bin, Path(tmp)))
+                elif tool == "python":
+                    python_rounds.append(run_python_rtt(a, fabric_bin, Path(tmp)))
                 else:
                     same_rounds.append(run_fabric(a, fabric_bin, Path(tmp), same_host=True))
     except BenchError as e:
@@ -449,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _kill_children()
-    cmp = compare(raw_rounds, fab_rounds, sizes, read_sizes, same_rounds)
+    cmp = compare(raw_rounds, fab_rounds, sizes, read_sizes, same_rounds, python_rounds)
     provider = fab_rounds[-1].get("provider", a.provider)
     print(table(cmp, a, provider))
     throughput = {
@@ -473,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_rounds": raw_rounds,
         "fabric_lib_rounds": fab_rounds,
         "same_host_rounds": same_rounds,
+        "python_rounds": python_rounds,
     }
     print(file=sys.stderr)
     write_result(a.json_out, "bench_transfer", provider, vars(a), results)

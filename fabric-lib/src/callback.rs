@@ -51,44 +51,48 @@ pub struct CallbackThread {
     handle: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// After a job, the thread polls for the next one this long before it blocks: back-to-back
-/// completions (and UVM-watcher callbacks) then skip the wake-up of a parked thread (~5-10 µs).
-/// It yields between polls, so on a machine with more runnable threads than cores it hands the
-/// core over instead of burning it.
-const SPIN_AFTER_JOB: std::time::Duration = std::time::Duration::from_micros(0);
-
-fn next(rx: &Receiver<Message>, spin: bool) -> Option<Message> {
-    if spin {
-        let until = std::time::Instant::now() + SPIN_AFTER_JOB;
+fn next(rx: &Receiver<Message>, spin: Duration) -> Option<Message> {
+    if !spin.is_zero() {
+        let until = std::time::Instant::now() + spin;
+        let mut polls: u32 = 0;
         loop {
             match rx.try_recv() {
                 Ok(m) => return Some(m),
                 Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
-                Err(crossbeam_channel::TryRecvError::Empty) if std::time::Instant::now() < until => {
-                    std::thread::yield_now()
+                Err(crossbeam_channel::TryRecvError::Empty) => {
+                    polls = polls.wrapping_add(1);
+                    if !polls.is_multiple_of(64) {
+                        std::hint::spin_loop();
+                    } else if std::time::Instant::now() < until {
+                        std::thread::yield_now();
+                    } else {
+                        break;
+                    }
                 }
-                Err(crossbeam_channel::TryRecvError::Empty) => break,
             }
         }
     }
     rx.recv().ok()
 }
 
-fn run(rx: Receiver<Message>) {
-    let mut spin = false;
-    while let Some(Message::Run(job)) = next(&rx, spin) {
+/// After a job, the thread polls for the next one for `spin` before it blocks (the engine's
+/// `wait_spin`): the worker's next hand-off (a round trip's completion, a UVM-watcher
+/// callback) then costs it no futex wake-up and the job no scheduler wake-up.
+fn run(rx: Receiver<Message>, spin: Duration) {
+    let mut after_job = Duration::ZERO;
+    while let Some(Message::Run(job)) = next(&rx, after_job) {
         if catch_unwind(AssertUnwindSafe(job)).is_err() {
             tracing::error!("a fabric-lib callback panicked; the callback thread carries on");
         }
-        spin = true;
+        after_job = spin;
     }
 }
 
 impl CallbackThread {
-    /// Starts the thread.
-    pub fn spawn() -> std::io::Result<Self> {
+    /// Starts the thread; after each job it polls for the next for `spin` before it sleeps.
+    pub fn spawn(spin: Duration) -> std::io::Result<Self> {
         let (tx, rx) = unbounded();
-        let handle = std::thread::Builder::new().name("fabric-callbacks".into()).spawn(move || run(rx))?;
+        let handle = std::thread::Builder::new().name("fabric-callbacks".into()).spawn(move || run(rx, spin))?;
         Ok(CallbackThread { queue: CallbackQueue(tx), handle: Mutex::new(Some(handle)) })
     }
 

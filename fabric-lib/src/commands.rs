@@ -22,7 +22,8 @@ pub(crate) const SCRATCH_REGION: u64 = 0;
 /// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
 /// peer's endpoint address and (key, remote base).
 pub(crate) struct Target {
-    pub addresses: Vec<Vec<u8>>,
+    /// Inline for up to two domains: one is built for every request.
+    pub addresses: smallvec::SmallVec<[Vec<u8>; 2]>,
     pub keys: Vec<(u64, u64)>,
 }
 

@@ -14,9 +14,15 @@
 //!
 //! Thread safety: one mutex guards the table. The worker applies a whole completion batch under
 //! one lock acquisition, and callbacks are returned to the caller to run outside the lock.
+//!
+//! Waiting: a waiter first polls a generation number the table bumps on every change, for the
+//! table's polling time (the engine's `wait_spin`), and only then sleeps on the condition
+//! variable: an arrival that comes soon (a round trip's answer) then costs neither side a futex
+//! call or a scheduler wake-up.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -71,12 +77,22 @@ struct Inner {
 pub struct ImmCounterTable {
     inner: Mutex<Inner>,
     changed: Condvar,
+    /// Bumped (under the lock) on every change a waiter may be waiting for.
+    generation: AtomicU64,
+    /// How long [`ImmCounterTable::wait`] polls before it sleeps.
+    wait_spin: Duration,
 }
 
 impl ImmCounterTable {
-    /// An empty table.
+    /// An empty table whose waiters sleep at once.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty table whose waiters poll for up to `wait_spin` before they sleep (yielding the
+    /// CPU now and then while they poll).
+    pub fn with_wait_spin(wait_spin: Duration) -> Self {
+        ImmCounterTable { wait_spin, ..Self::default() }
     }
 
     /// Applies a batch of arrivals `(imm, times)`; returns the callbacks that became due.
@@ -99,6 +115,7 @@ impl ImmCounterTable {
                     events.push(ImmEvent::Reached(cb));
                 }
             }
+            self.generation.fetch_add(1, Ordering::Release);
         }
         self.changed.notify_all();
         events
@@ -124,7 +141,11 @@ impl ImmCounterTable {
 
     /// Forgets `imm`: drops its expectation without firing it and returns the count it had.
     pub fn remove(&self, imm: u32) -> u64 {
-        let removed = self.inner.lock().slots.remove(&imm);
+        let removed = {
+            let mut inner = self.inner.lock();
+            self.generation.fetch_add(1, Ordering::Release);
+            inner.slots.remove(&imm)
+        };
         self.changed.notify_all();
         removed.map_or(0, |s| s.count)
     }
@@ -148,8 +169,10 @@ impl ImmCounterTable {
     }
 
     /// Blocks until `imm` has been counted `n` times, then consumes `n`. Errors after `timeout`.
+    /// Polls for up to the table's `wait_spin` before it sleeps.
     pub fn wait(&self, imm: u32, n: u64, timeout: Duration) -> Result<()> {
         let deadline = crate::config::deadline_after(timeout);
+        let spin_until = Instant::now().checked_add(self.wait_spin).map_or(deadline, |t| t.min(deadline));
         let mut inner = self.inner.lock();
         inner.slots.entry(imm).or_default().waiters += 1;
         let result = loop {
@@ -160,6 +183,12 @@ impl ImmCounterTable {
             }
             if inner.closed {
                 break Err(FabricError::Stopped);
+            }
+            if Instant::now() < spin_until {
+                // Read under the lock: any later change bumps it.
+                let seen = self.generation.load(Ordering::Acquire);
+                parking_lot::MutexGuard::unlocked(&mut inner, || self.poll_change(seen, spin_until));
+                continue;
             }
             if self.changed.wait_until(&mut inner, deadline).timed_out() {
                 let count = inner.slots.get(&imm).map_or(0, |s| s.count);
@@ -175,6 +204,22 @@ impl ImmCounterTable {
             slot.count -= n;
         }
         result
+    }
+
+    /// Polls until the generation moves past `seen` or `until` passes.
+    fn poll_change(&self, seen: u64, until: Instant) {
+        let mut polls: u32 = 0;
+        while self.generation.load(Ordering::Acquire) == seen {
+            polls = polls.wrapping_add(1);
+            if !polls.is_multiple_of(64) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if Instant::now() >= until {
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Consumes `n` arrivals of `imm` if they are there (one atomic check-and-take); false
@@ -207,7 +252,11 @@ impl ImmCounterTable {
 
     /// Ends every current and future wait with [`FabricError::Stopped`] (engine shutdown).
     pub fn close(&self) {
-        self.inner.lock().closed = true;
+        {
+            let mut inner = self.inner.lock();
+            inner.closed = true;
+            self.generation.fetch_add(1, Ordering::Release);
+        }
         self.changed.notify_all();
     }
 }
@@ -350,6 +399,31 @@ mod tests {
         t.wait(9, 1000, Duration::from_secs(10)).unwrap();
         adder.join().unwrap();
         assert_eq!(t.value(9), 0);
+    }
+
+    #[test]
+    fn polling_waits_see_arrivals_stay_bounded_and_end_on_close() {
+        // Polling far longer than any wait here: the deadline, not the polling, must end it.
+        let t = Arc::new(ImmCounterTable::with_wait_spin(Duration::from_secs(10)));
+        let started = Instant::now();
+        assert!(matches!(t.wait(9, 1, Duration::from_millis(20)), Err(FabricError::Timeout(_))));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let t2 = t.clone();
+        let adder = std::thread::spawn(move || {
+            for _ in 0..1000 {
+                t2.add_batch(&[(9, 1)]);
+            }
+        });
+        t.wait(9, 1000, Duration::from_secs(10)).unwrap();
+        adder.join().unwrap();
+        assert_eq!(t.value(9), 0);
+        let t3 = t.clone();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            t3.close();
+        });
+        assert!(matches!(t.wait(9, 1, Duration::from_secs(10)), Err(FabricError::Stopped)));
+        closer.join().unwrap();
     }
 
     #[test]

@@ -23,10 +23,12 @@ pub mod gpu;
 mod host_memory;
 pub mod imm_counter;
 mod joined;
+pub mod latency_probe;
 mod msg_buffers;
 pub mod provider;
 mod requests;
 pub mod sharding;
+mod spin;
 pub mod staging;
 pub mod topology;
 mod worker;
@@ -43,6 +45,7 @@ pub use epoch::Readmission;
 pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
+pub use latency_probe::{monotonic_ns, LatencyProbe, Stage};
 pub use provider::libfabric::{list_providers, DomainSpec, NicRegistration, ProviderSpec};
 pub use requests::{
     PagedReadRequest, PagedWriteRequest, PeerGroup, ReadRequest, ScatterSharding, ScatterTarget, WriteRequest,

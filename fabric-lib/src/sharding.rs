@@ -78,8 +78,9 @@ pub fn page_runs(pages: impl IntoIterator<Item = (u64, u64)>, page_len: u64, max
 /// Moves each target's immediate onto its data when that target has exactly one shard, and
 /// returns the immediates that must be sent after all data was delivered.
 pub fn plan_imms(shards: &mut [Shard], imm_per_peer: &[Option<u32>]) -> Vec<DeferredImm> {
-    let mut count = vec![0usize; imm_per_peer.len()];
-    let mut first_domain = vec![0u16; imm_per_peer.len()];
+    // Inline for the usual few peers: this runs on every submit.
+    let mut count: smallvec::SmallVec<[usize; 8]> = smallvec::smallvec![0; imm_per_peer.len()];
+    let mut first_domain: smallvec::SmallVec<[u16; 8]> = smallvec::smallvec![0; imm_per_peer.len()];
     for s in shards.iter() {
         let p = s.peer as usize;
         if count[p] == 0 {

@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::callback::CallbackQueue;
 use crate::commands::{Command, RecvCallback, SameHostTransfer, SendCommand, Target, Transfer, SCRATCH_REGION};
@@ -21,6 +22,7 @@ use crate::domain_state::DomainState;
 use crate::epoch::{PendingReadmit, ReceivedEpochs};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
+use crate::latency_probe::{LatencyProbe, Stage};
 use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
 use crate::provider::same_host::{copy_host_to_host, SameHostChannel, SameHostDone, SameHostSrc};
 use crate::sharding::DeferredImm;
@@ -29,6 +31,8 @@ use crate::sharding::DeferredImm;
 /// messages stay in their receive buffers, which are not re-posted: the provider then holds
 /// back senders (back-pressure) instead of anything being dropped.
 const UNDELIVERED_LIMIT: usize = 4096;
+/// Contexts of completed posts kept for reuse (more are freed).
+const SPARE_CONTEXTS: usize = 4096;
 
 mod epochs;
 mod inbox;
@@ -127,6 +131,29 @@ impl Op {
     }
 }
 
+/// A request's resolved destinations by (peer, domain): the latest one inline (most requests
+/// have one), the others in a map allocated only when a second one appears.
+#[derive(Default)]
+struct DestCache {
+    last: Option<((u32, u16), u64)>,
+    others: HashMap<(u32, u16), u64>,
+}
+
+impl DestCache {
+    fn get(&self, key: (u32, u16)) -> Option<u64> {
+        match self.last {
+            Some((k, d)) if k == key => Some(d),
+            _ => self.others.get(&key).copied(),
+        }
+    }
+
+    fn insert(&mut self, key: (u32, u16), dest: u64) {
+        if let Some((k, d)) = self.last.replace((key, dest)) {
+            self.others.insert(k, d);
+        }
+    }
+}
+
 struct PendingPost {
     request: u64,
     op: Op,
@@ -142,7 +169,12 @@ pub(crate) struct Spawned {
 }
 
 /// Starts a worker thread for `specs` (one per domain) and waits (bounded) until it is ready.
-pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks: CallbackQueue) -> Result<Spawned> {
+pub(crate) fn spawn(
+    config: &EngineConfig,
+    imm: Arc<ImmCounterTable>,
+    callbacks: CallbackQueue,
+    probe: Arc<LatencyProbe>,
+) -> Result<Spawned> {
     let (tx, rx) = bounded::<Command>(config.queue_depth.max(1));
     let leftovers = rx.clone();
     let (ready_tx, ready_rx) = bounded::<Result<WorkerInfo>>(1);
@@ -156,7 +188,7 @@ pub(crate) fn spawn(config: &EngineConfig, imm: Arc<ImmCounterTable>, callbacks:
                     tracing::warn!("could not pin the worker to CPU {cpu}");
                 }
             }
-            match Worker::open(&config, rx, imm, callbacks) {
+            match Worker::open(&config, rx, imm, callbacks, probe) {
                 Ok(mut worker) => {
                     let info = WorkerInfo {
                         provider: worker.domains[0].domain.provider_name(),
@@ -211,23 +243,29 @@ struct Worker {
     oversized_messages: Arc<AtomicU64>,
     max_message_size: usize,
 
-    requests: HashMap<u64, Request>,
+    /// The maps below are touched for every operation: keyed by ids and pointers this engine
+    /// made (or immediates it counts), they use a fast non-keyed hash.
+    requests: FxHashMap<u64, Request>,
     next_request: u64,
     deadlines: VecDeque<(Instant, u64)>,
     /// Posts the provider pushed back on, per domain and destination, each in order. Keyed by
     /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
     /// posts to other peers.
-    pending: Vec<HashMap<u64, VecDeque<PendingPost>>>,
+    pending: Vec<FxHashMap<u64, VecDeque<PendingPost>>>,
     /// Messages waiting for a free send buffer (request, peer, bytes, remote CQ data).
     waiting_sends: VecDeque<(u64, u64, Vec<u8>, Option<u64>)>,
-    outstanding: HashSet<usize>,
+    outstanding: FxHashSet<usize>,
     /// Receive contexts by address: (domain, slot). Completions are only ever matched against
     /// these and `outstanding`; an unknown pointer (e.g. the undefined op_context of a remote
     /// write completion) is never dereferenced.
-    recv_contexts: HashMap<usize, (u16, usize)>,
+    recv_contexts: FxHashMap<usize, (u16, usize)>,
     completions: Vec<Completion>,
+    /// Contexts of completed posts, reused by the next ones (boxed: a posted context's address
+    /// is the provider's, so contexts never move).
+    #[allow(clippy::vec_box)]
+    spare_contexts: Vec<Box<OpContext>>,
     /// Immediates counted in this round, by (epoch tag, immediate).
-    imm_batch: HashMap<(u32, u32), u32>,
+    imm_batch: FxHashMap<(u32, u32), u32>,
     stats: Arc<[DomainCounters]>,
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
@@ -258,6 +296,10 @@ struct Worker {
     triggers: triggers::Triggers,
     /// Same-host immediates: this engine's inbox and the peers' it pushes into.
     inboxes: inbox::Inboxes,
+    /// Stage times for latency tests (off unless the application enabled it).
+    probe: Arc<LatencyProbe>,
+    /// A busy worker yields the CPU after this many consecutive empty polls.
+    yield_every: u32,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -269,6 +311,7 @@ impl Worker {
         rx: Receiver<Command>,
         imm: Arc<ImmCounterTable>,
         callbacks: CallbackQueue,
+        probe: Arc<LatencyProbe>,
     ) -> Result<Self> {
         let domains = config
             .provider
@@ -301,14 +344,15 @@ impl Worker {
             held: VecDeque::new(),
             oversized_messages: Arc::new(AtomicU64::new(0)),
             max_message_size: config.max_message_size,
-            requests: HashMap::new(),
+            requests: FxHashMap::default(),
             next_request: 1,
             deadlines: VecDeque::new(),
-            pending: (0..domains.len()).map(|_| HashMap::new()).collect(),
+            pending: (0..domains.len()).map(|_| FxHashMap::default()).collect(),
             waiting_sends: VecDeque::new(),
-            outstanding: HashSet::new(),
+            outstanding: FxHashSet::default(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
-            imm_batch: HashMap::new(),
+            spare_contexts: Vec::new(),
+            imm_batch: FxHashMap::default(),
             done: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
             same_host: None,
@@ -326,6 +370,8 @@ impl Worker {
             staged: staged::Staged::new(config)?,
             triggers: HashMap::new(),
             inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
+            probe,
+            yield_every: if crate::spin::spare_cores() { 64 } else { 1 },
             domains,
         })
     }
@@ -334,11 +380,13 @@ impl Worker {
     fn run(&mut self) {
         let mut last_active = Instant::now();
         let mut iterations: u32 = 0;
+        let mut idle_polls: u32 = 0;
         loop {
             let mut active = false;
             for _ in 0..64 {
                 match self.rx.try_recv() {
                     Ok(cmd) => {
+                        self.probe.mark(Stage::Dequeued);
                         active = true;
                         if !self.handle(cmd) {
                             return;
@@ -367,6 +415,7 @@ impl Worker {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
                         Ok(cmd) => {
+                            self.probe.mark(Stage::Dequeued);
                             last_active = Instant::now();
                             if !self.handle(cmd) {
                                 return;
@@ -376,9 +425,15 @@ impl Worker {
                         Err(RecvTimeoutError::Disconnected) => return,
                     }
                 }
-                // Yield between empty polls: free when the core is ours alone, and it lets the
-                // application and callback threads run where cores are oversubscribed.
-                _ => std::thread::yield_now(),
+                // Yield between empty polls where cores are oversubscribed, so the application
+                // and callback threads run; with cores to spare only now and then: the system
+                // call would otherwise add its time to the reaction to every arrival.
+                _ => {
+                    idle_polls = idle_polls.wrapping_add(1);
+                    if idle_polls.is_multiple_of(self.yield_every) {
+                        std::thread::yield_now();
+                    }
+                }
             }
         }
     }
@@ -473,6 +528,9 @@ impl Worker {
 
     /// The error for a request to a fenced peer, if one of `peers` is.
     fn fence_error<'a>(&self, mut peers: impl Iterator<Item = &'a Target>) -> Option<FabricError> {
+        if self.fenced.is_empty() {
+            return None; // the common case: no address to hash
+        }
         let fenced = peers.any(|p| p.addresses.first().is_some_and(|first| self.fenced.contains(first)));
         fenced.then(|| {
             FabricError::PeerFenced(
@@ -508,15 +566,9 @@ impl Worker {
     }
 
     /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
-    fn dest(
-        &mut self,
-        cache: &mut HashMap<(u32, u16), u64>,
-        targets: &[Target],
-        peer: u32,
-        domain: u16,
-    ) -> Result<u64> {
-        if let Some(d) = cache.get(&(peer, domain)) {
-            return Ok(*d);
+    fn dest(&mut self, cache: &mut DestCache, targets: &[Target], peer: u32, domain: u16) -> Result<u64> {
+        if let Some(d) = cache.get((peer, domain)) {
+            return Ok(d);
         }
         let addr = &targets[peer as usize].addresses[domain as usize];
         let d = self.domains[domain as usize].domain.resolve_peer(addr)?;
@@ -541,7 +593,7 @@ impl Worker {
                 }
             }
         };
-        let mut cache = HashMap::new();
+        let mut cache = DestCache::default();
         let mut resolved = Vec::with_capacity(deferred.len());
         for d in &deferred {
             let (key, remote_base) = targets[d.peer as usize].keys[d.domain as usize];
@@ -622,7 +674,7 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
-        let target = Target { addresses: vec![peer], keys: Vec::new() };
+        let target = Target { addresses: smallvec::smallvec![peer], keys: Vec::new() };
         if let Some(e) = self.fence_error(std::iter::once(&target)) {
             return self.finish(id, Err(e));
         }
@@ -720,7 +772,7 @@ impl Worker {
             Op::Send { slot, .. } => OpKind::Send { request: post.request, slot, domain: domain as u16 },
             Op::Read { region, .. } => OpKind::Read { request: post.request, region },
         };
-        let context = Box::into_raw(OpContext::new(kind));
+        let context = Box::into_raw(self.new_context(kind));
         let imm_data = match post.op {
             Op::Write { imm: Some(imm), dest, .. } => Some(self.cq_data(domain, dest, imm)),
             _ => None,
@@ -740,7 +792,7 @@ impl Worker {
                             None => {
                                 // Cannot happen (a region with queued posts cannot be
                                 // unregistered), but must not take the worker down if it does.
-                                drop(Box::from_raw(context));
+                                self.recycle_context(Box::from_raw(context));
                                 let e = format!("memory handle {region} is no longer registered");
                                 return Err(FabricError::InvalidArgument(e));
                             }
@@ -768,7 +820,7 @@ impl Worker {
                         Some(mr) => d.domain.post_read(ptr as *mut u8, len, mr.desc(), dest, remote_addr, key, context),
                         None => {
                             // As for writes: a region with queued posts cannot be unregistered.
-                            drop(Box::from_raw(context));
+                            self.recycle_context(Box::from_raw(context));
                             let e = format!("memory handle {region} is no longer registered");
                             return Err(FabricError::InvalidArgument(e));
                         }
@@ -778,6 +830,7 @@ impl Worker {
         };
         match posted {
             Ok(Posted::Ok) => {
+                self.probe.mark_first_post();
                 let counters = &self.stats[domain];
                 counters.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 counters.bytes.fetch_add(post.op.len() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -786,7 +839,7 @@ impl Worker {
             }
             other => {
                 // SAFETY: the provider did not take the context; we still own it.
-                drop(unsafe { Box::from_raw(context) });
+                self.recycle_context(unsafe { Box::from_raw(context) });
                 other.map(|_| false)
             }
         }
@@ -833,10 +886,15 @@ impl Worker {
                 completions.clear();
                 match self.domains[domain].domain.poll(&mut completions) {
                     Ok(0) => break,
-                    Ok(_) => {
+                    Ok(n) => {
                         active = true;
                         for c in completions.drain(..) {
                             self.on_completion(c);
+                        }
+                        if n < crate::provider::libfabric::CQ_BATCH {
+                            // Drained: count and hand over what arrived now rather than pay
+                            // another progress call (a system call on tcp) first.
+                            break;
                         }
                     }
                     Err(e) => {
@@ -869,6 +927,7 @@ impl Worker {
 
     /// Reports a request's outcome: counters are bumped here, callbacks wait for `flush_done`.
     fn notify(&mut self, on_done: Notify, result: Result<()>) {
+        self.probe.mark(Stage::Completed);
         match on_done {
             Notify::Counter(counter) => counter.complete(result),
             Notify::Callback(cb) => self.done.push((cb, result)),
@@ -882,11 +941,23 @@ impl Worker {
             0 => {}
             1 => {
                 let (on_done, result) = self.done.pop().expect("one");
-                self.callbacks.push(Box::new(move || on_done(result)));
+                if self.probe.enabled() {
+                    let probe = self.probe.clone();
+                    self.callbacks.push(Box::new(move || {
+                        probe.mark(Stage::CallbackRun);
+                        on_done(result)
+                    }));
+                } else {
+                    self.callbacks.push(Box::new(move || on_done(result)));
+                }
             }
             _ => {
                 let done = std::mem::take(&mut self.done);
+                let probe = self.probe.enabled().then(|| self.probe.clone());
                 self.callbacks.push(Box::new(move || {
+                    if let Some(probe) = probe {
+                        probe.mark(Stage::CallbackRun);
+                    }
                     for (on_done, result) in done {
                         // One panicking callback must not swallow the others of the batch.
                         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| on_done(result))).is_err() {
@@ -906,6 +977,7 @@ impl Worker {
                 None => tracing::warn!("completion with an unknown context"),
             },
             Completion::RemoteImm { data, context, len } => {
+                self.probe.mark(Stage::ImmSeen);
                 if let Some(OpKind::Recv { slot, domain }) = self.take_context(context) {
                     if !self.domains[domain as usize].domain.imm_consumes_recv() {
                         // A receive only completes with CQ data for a message sent with it.
@@ -936,9 +1008,27 @@ impl Worker {
             // SAFETY: `outstanding` holds exactly the request contexts we leaked with
             // Box::into_raw and have not freed; removing it first makes this the only free.
             let boxed = unsafe { Box::from_raw(context) };
-            return Some(boxed.kind);
+            let kind = boxed.kind;
+            self.recycle_context(boxed);
+            return Some(kind);
         }
         self.recv_contexts.get(&addr).map(|&(domain, slot)| OpKind::Recv { slot, domain })
+    }
+
+    /// A context for a post: a recycled one if there is one (no allocation per operation).
+    fn new_context(&mut self, kind: OpKind) -> Box<OpContext> {
+        match self.spare_contexts.pop() {
+            Some(spare) => spare.reuse(kind),
+            None => OpContext::new(kind),
+        }
+    }
+
+    /// Keeps a context the provider no longer references (its completion was read, or the post
+    /// did not take it) for the next post.
+    fn recycle_context(&mut self, context: Box<OpContext>) {
+        if self.spare_contexts.len() < SPARE_CONTEXTS {
+            self.spare_contexts.push(context);
+        }
     }
 
     fn finish_op(&mut self, kind: OpKind, result: Result<()>) {

@@ -75,6 +75,7 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
             }
             "transfer_timeout" => config.transfer_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
             "command_timeout" => config.command_timeout = seconds(py, value.extract().map_err(wrong)?, &name)?,
+            "wait_spin" => config.wait_spin = Some(seconds(py, value.extract().map_err(wrong)?, &name)?),
             "max_message_size" => config.max_message_size = value.extract().map_err(wrong)?,
             "recv_buffers" => config.recv_buffers = value.extract().map_err(wrong)?,
             "send_buffers" => config.send_buffers = value.extract().map_err(wrong)?,
@@ -114,6 +115,8 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("poll_mode", poll_mode_name(c.poll_mode))?;
     d.set_item("transfer_timeout", c.transfer_timeout.as_secs_f64())?;
     d.set_item("command_timeout", c.command_timeout.as_secs_f64())?;
+    // None: chosen by the CPUs this process may use (see EngineConfig::wait_spin).
+    d.set_item("wait_spin", c.wait_spin.map(|d| d.as_secs_f64()))?;
     d.set_item("max_message_size", c.max_message_size)?;
     d.set_item("recv_buffers", c.recv_buffers)?;
     d.set_item("send_buffers", c.send_buffers)?;

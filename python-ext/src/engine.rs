@@ -501,6 +501,17 @@ impl PyTransferEngine {
         self.engine.set_imm_callback(callback.map(callbacks::on_imm))
     }
 
+    /// Turns the latency probe on (clearing its marks) or off.
+    fn enable_latency_probe(&self, on: bool) {
+        self.engine.latency_probe().enable(on)
+    }
+
+    /// The probe's latest time of each stage it recorded: {stage name: CLOCK_MONOTONIC ns}.
+    fn latency_marks(&self) -> std::collections::HashMap<&'static str, u64> {
+        let probe = self.engine.latency_probe();
+        probe.snapshot().into_iter().filter_map(|(stage, t)| t.map(|t| (stage.name(), t))).collect()
+    }
+
     fn stop(&self, py: Python<'_>) {
         py.detach(|| self.engine.stop())
     }

@@ -238,6 +238,10 @@ class TransferEngine:
             idle) ["busy"].
         transfer_timeout: seconds after which an unfinished request fails (dead peer) [30].
         command_timeout: seconds to wait for the worker to accept or answer a command [10].
+        wait_spin: seconds that threads waiting on the engine (``ImmCounter.wait``,
+            ``wait_imm_count``, the callback thread between callbacks) poll before they sleep:
+            saves a wake-up (several µs) per round trip but takes a core while it polls
+            [None: 50 µs where the process may use at least 4 CPUs, 0 with fewer].
         max_message_size: largest two-sided message in bytes; peers learn it from the address
             and senders check it [65536].
         recv_buffers / send_buffers: message buffers per domain [64 / 64].
@@ -310,6 +314,7 @@ class TransferEngine:
         poll_mode: Literal["busy", "adaptive"] | None = None,
         transfer_timeout: float | None = None,
         command_timeout: float | None = None,
+        wait_spin: float | None = None,
         max_message_size: int | None = None,
         recv_buffers: int | None = None,
         send_buffers: int | None = None,
@@ -342,6 +347,7 @@ class TransferEngine:
             "poll_mode": poll_mode,
             "transfer_timeout": transfer_timeout,
             "command_timeout": command_timeout,
+            "wait_spin": wait_spin,
             "max_message_size": max_message_size,
             "recv_buffers": recv_buffers,
             "send_buffers": send_buffers,
@@ -1070,6 +1076,25 @@ class TransferEngine:
     def set_imm_callback(self, callback: Callable[[int], None] | None) -> None:
         """Receives immediates that no expectation or counter claims."""
         self._native.set_imm_callback(None if callback is None else guarded(callback))
+
+    # -- diagnostics ------------------------------------------------------------------------
+    def enable_latency_probe(self, on: bool = True) -> None:
+        """Turns the latency probe on (clearing its marks) or off. While on, the engine records
+        when the latest request passed each stage; see ``latency_marks``. Off by default (then it
+        costs nothing measurable)."""
+        self._native.enable_latency_probe(bool(on))
+
+    def latency_marks(self) -> dict[str, int]:
+        """The latency probe's latest time of each stage it recorded since it was enabled, in
+        ``time.monotonic_ns()`` nanoseconds: ``enqueued`` (the submit planned the request and
+        hands it to the worker's queue), ``dequeued`` (the worker took it), ``posted`` (its first post to the
+        provider returned), ``completed`` (the worker saw it finish), ``callback_run`` (its
+        completion callback started), ``imm_seen`` (the worker read an arriving immediate),
+        ``imm_counted`` (it applies it to the counters) and ``wait_returned`` (a wait on a count
+        returned in the native layer). Each stage keeps its latest event only: meaningful with
+        one request in flight at a time (a latency test). Stamp the application's own call with
+        ``time.monotonic_ns()`` to compare."""
+        return self._native.latency_marks()
 
     # -- lifecycle --------------------------------------------------------------------------
     def stop(self) -> None:

@@ -37,6 +37,8 @@ BAD_OPTIONS: list[dict[str, Any]] = [
     {"transfer_timeout": math.inf},
     {"transfer_timeout": 0.0},
     {"command_timeout": 1e300},
+    {"wait_spin": -1.0},
+    {"wait_spin": math.nan},
     {"max_message_size": 2**30},
     {"max_message_size": 0},
     {"max_message_size": -5},

@@ -200,6 +200,7 @@ fn session(args: &ClientArgs, index: usize, placements: &[Placement]) -> Result<
             iters: tests.iters,
             wait: tests.wait,
             timeout: stall,
+            breakdown: tests.breakdown,
         };
         report.rtt = Some(rtt.run()?);
     }

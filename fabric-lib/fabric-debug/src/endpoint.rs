@@ -34,6 +34,10 @@ pub struct EngineArgs {
     /// Pin the engine's worker thread to this CPU.
     #[arg(long)]
     pub worker_cpu: Option<usize>,
+    /// Microseconds that threads waiting on the engine poll before they sleep (default: 50 where
+    /// the process may use at least 4 CPUs, else 0).
+    #[arg(long)]
+    pub wait_spin_us: Option<u64>,
     /// When a write counts as done for its writer: `delivery` (in the receiver's memory),
     /// `transmit` (source reusable) or `auto` (delivery on tcp and sockets, else transmit).
     #[arg(long, default_value = "auto", value_parser = ["auto", "delivery", "transmit"])]
@@ -134,6 +138,7 @@ impl Endpoint {
             same_host_host_memory: args.same_host_host_memory,
             gpu_network: (placement != Placement::Host).then_some(true),
             force_network: args.force_network,
+            wait_spin: args.wait_spin_us.map(std::time::Duration::from_micros),
             ..Default::default()
         };
         let wanted = args.provider.as_deref().unwrap_or("<auto>");

@@ -44,6 +44,9 @@ pub struct Latency {
     pub min_us: f64,
     pub mean_us: f64,
     pub max_us: f64,
+    /// Per-step p50/p99 (`--breakdown`; empty otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub breakdown: Vec<crate::latency::StepLatency>,
 }
 
 /// A phase whose immediates the server counted, every one of them.
@@ -176,6 +179,12 @@ impl Report {
                 "imm round trip ({} iters, {} wait): p50 {:.1} us, p99 {:.1} us (min {:.1}, mean {:.1}, max {:.1})\n",
                 l.iters, l.wait, l.p50_us, l.p99_us, l.min_us, l.mean_us, l.max_us
             );
+            if !l.breakdown.is_empty() {
+                out += "  breakdown (engine latency probe; p50 / p99 us):\n";
+                for step in &l.breakdown {
+                    out += &format!("    {:<30} {:>8.2} {:>8.2}\n", step.step, step.p50_us, step.p99_us);
+                }
+            }
         }
         for v in &self.verified {
             out += &format!("server counted all {} immediates of the {} phase\n", v.immediates, v.phase);

@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// callback thread, posts it).
     #[arg(long, value_enum, default_value = "triggered")]
     pub echo: EchoKind,
+    /// With the triggered echo: report on stderr, at the end, how long the server took from
+    /// reading each ping to posting its pong (the engine's latency probe).
+    #[arg(long)]
+    pub breakdown: bool,
 }
 
 /// See [`ServeArgs::echo`].

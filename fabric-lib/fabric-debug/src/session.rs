@@ -1,13 +1,14 @@
 //! One server session: follows a client engine's control messages (verify immediate counts,
 //! echo pings, done) for one server engine until the client says `Done`.
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use fabric_lib::{EngineAddress, MrDescriptor, TransferEngine};
+use fabric_lib::{EngineAddress, MrDescriptor, Stage, TransferEngine};
 
 use crate::bootstrap::{Channel, Control};
 use crate::endpoint::Endpoint;
 use crate::error::{Context, Result};
+use crate::report::{median, percentile};
 use crate::server::{EchoKind, ServeArgs};
 
 /// Serves one client connection on `ep` until it says `Done`.
@@ -18,6 +19,7 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
     eprintln!("fabric-debug server: {name}: client {} connected ({} region)", ch.peer(), client_mr.len);
     let client_mr = Arc::new(client_mr);
     let verify_timeout = Duration::from_secs(args.verify_timeout);
+    let turnarounds = Arc::new(Mutex::new(Vec::new()));
     loop {
         match ch.recv().with_context(|| name.clone())? {
             Control::Expect { imm, count, fence } => {
@@ -29,13 +31,18 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
             }
             Control::Echo { ping, pong, count } => {
                 match args.echo {
-                    EchoKind::Triggered => arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count)?,
+                    EchoKind::Triggered => {
+                        let probe = args.breakdown.then(|| (Arc::downgrade(&ep.engine), turnarounds.clone()));
+                        ep.engine.latency_probe().enable(args.breakdown);
+                        arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count, probe)?
+                    }
                     EchoKind::Callback => arm_echo(Arc::downgrade(&ep.engine), client_mr.clone(), ping, pong, count)?,
                 }
                 ch.send(&Control::Reply { ok: true, message: format!("echoing {count} pings") })?;
             }
             Control::Done => {
                 ch.send(&Control::Reply { ok: true, message: "bye".into() })?;
+                report_turnarounds(&turnarounds.lock().expect("not poisoned"));
                 eprintln!("fabric-debug server: {name}: session done");
                 return Ok(());
             }
@@ -81,17 +88,67 @@ fn send_verdict(engine: &TransferEngine, client: &EngineAddress, verdict: Contro
         .context("sending the verdict message")
 }
 
+/// Per pong, microseconds from reading the ping to firing the pong and to its post returning.
+type Turnarounds = Arc<Mutex<Vec<(f64, f64)>>>;
+
+/// Records the latest ping → pong turnaround from the latency probe (one round trip in flight:
+/// a ping that already arrived for the next round trip leaves the sample out).
+fn record_turnaround(engine: &Weak<TransferEngine>, into: &Turnarounds) {
+    let Some(engine) = engine.upgrade() else { return };
+    let probe = engine.latency_probe();
+    let (Some(seen), Some(fired), Some(posted)) =
+        (probe.get(Stage::ImmSeen), probe.get(Stage::Dequeued), probe.get(Stage::Posted))
+    else {
+        return;
+    };
+    if seen <= fired && fired <= posted {
+        let us = |ns: u64| ns as f64 / 1e3;
+        into.lock().expect("not poisoned").push((us(fired - seen), us(posted - fired)));
+    }
+}
+
+/// Prints p50/p99 of the recorded turnarounds on stderr (nothing if none were recorded).
+fn report_turnarounds(samples: &[(f64, f64)]) {
+    if samples.is_empty() {
+        return;
+    }
+    let (fire, post): (Vec<f64>, Vec<f64>) = samples.iter().copied().unzip();
+    eprintln!(
+        "fabric-debug server: ping -> pong ({} pongs, p50 / p99 us): imm_seen_to_fired {:.2} / {:.2}, \
+         fired_to_posted {:.2} / {:.2}",
+        samples.len(),
+        median(&fire),
+        percentile(&fire, 99.0),
+        median(&post),
+        percentile(&post, 99.0)
+    );
+}
+
 /// Arms one triggered `pong` per expected `ping`: the worker posts each pong as soon as it
-/// counted the ping, with no thread in between.
-fn arm_triggered_echo(engine: &TransferEngine, dst: &MrDescriptor, ping: u32, pong: u32, count: u64) -> Result<()> {
+/// counted the ping, with no thread in between. With `probe`, each pong's completion records
+/// the server's turnaround.
+fn arm_triggered_echo(
+    engine: &TransferEngine,
+    dst: &MrDescriptor,
+    ping: u32,
+    pong: u32,
+    count: u64,
+    probe: Option<(Weak<TransferEngine>, Turnarounds)>,
+) -> Result<()> {
     for _ in 0..count {
-        let on_done = Box::new(|r: fabric_lib::Result<()>| match r {
+        let probe = probe.clone();
+        let on_done = Box::new(move |r: fabric_lib::Result<()>| match r {
+            Ok(()) => {
+                if let Some((engine, into)) = &probe {
+                    record_turnaround(engine, into);
+                }
+            }
             // The session may end before the last pong's local completion is read.
-            Ok(()) | Err(fabric_lib::FabricError::Stopped) => {}
+            Err(fabric_lib::FabricError::Stopped) => {}
             Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
         });
         let when = fabric_lib::Trigger { imm: ping, count: 1, timeout: None };
-        engine.arm_imm(when, pong, dst, on_done).context("arming a triggered pong")?;
+        engine.arm_imm_to(when, pong, &dst.owner, on_done).context("arming a triggered pong")?;
     }
     Ok(())
 }
@@ -114,7 +171,7 @@ fn arm_echo(engine: Weak<TransferEngine>, dst: Arc<MrDescriptor>, ping: u32, pon
                     Ok(()) | Err(fabric_lib::FabricError::Stopped) => {}
                     Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
                 });
-                if let Err(err) = e.submit_imm(pong, &dst, on_done) {
+                if let Err(err) = e.submit_imm_to(pong, &dst.owner, on_done) {
                     eprintln!("fabric-debug server: posting a pong failed: {err}");
                 }
                 if let Err(err) = arm_echo(engine, dst, ping, pong, remaining - 1) {

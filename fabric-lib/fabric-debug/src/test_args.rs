@@ -54,6 +54,10 @@ pub struct TestArgs {
     /// How the client waits for completions and pongs.
     #[arg(long, value_enum, default_value = "block")]
     pub wait: WaitKind,
+    /// Report where the round trip's time goes, per step (the engine's latency probe; each
+    /// round trip also waits for the ping's completion callback before the next).
+    #[arg(long)]
+    pub breakdown: bool,
     /// Page sizes of the paged test.
     #[arg(long, value_delimiter = ',', value_parser = size_arg,
           default_value = "1KiB,2KiB,4KiB,8KiB,16KiB,32KiB,64KiB")]

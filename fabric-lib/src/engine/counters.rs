@@ -29,7 +29,9 @@ impl TransferEngine {
 
     /// Blocks until `imm` has arrived `n` times, then consumes them; errors after `timeout`.
     pub fn wait_imm_count(&self, imm: u32, n: u64, timeout: Duration) -> Result<()> {
-        self.imm.wait(imm, n, timeout)
+        let waited = self.imm.wait(imm, n, timeout);
+        self.probe.mark(crate::latency_probe::Stage::WaitReturned);
+        waited
     }
 
     /// Consumes `n` arrivals of `imm` if they are all there; never waits.

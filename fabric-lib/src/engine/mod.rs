@@ -21,6 +21,7 @@ use crate::descriptor::MemoryKind;
 use crate::error::{FabricError, Result};
 use crate::gpu::Watchers;
 use crate::imm_counter::ImmCounterTable;
+use crate::latency_probe::{LatencyProbe, Stage};
 use crate::worker;
 
 /// Traffic posted on one domain (see [`TransferEngine::domain_stats`]).
@@ -82,17 +83,20 @@ pub struct TransferEngine {
     staging: Arc<crate::staging::StagingCounters>,
     /// Every domain issues and serves RMA reads (FI_READ | FI_REMOTE_READ).
     rma_read: bool,
+    /// Stage times of the latest request, when enabled (see `latency_probe`).
+    probe: Arc<LatencyProbe>,
 }
 
 impl TransferEngine {
     /// Opens the configured provider and starts the worker and callback threads.
     pub fn new(config: EngineConfig) -> Result<Self> {
         config.validate()?;
-        let imm = Arc::new(ImmCounterTable::new());
-        let callbacks = CallbackThread::spawn()
+        let imm = Arc::new(ImmCounterTable::with_wait_spin(config.wait_spin()));
+        let probe = Arc::new(LatencyProbe::default());
+        let callbacks = CallbackThread::spawn(config.wait_spin())
             .map_err(|e| FabricError::InvalidArgument(format!("cannot spawn the callback thread: {e}")))?;
         let worker::Spawned { commands, leftovers, handle, info } =
-            match worker::spawn(&config, imm.clone(), callbacks.queue()) {
+            match worker::spawn(&config, imm.clone(), callbacks.queue(), probe.clone()) {
                 Ok(started) => started,
                 Err(e) => {
                     callbacks.shutdown(Duration::from_secs(1));
@@ -140,6 +144,7 @@ impl TransferEngine {
             hmem: info.hmem,
             staging: info.staging.clone(),
             rma_read: info.read,
+            probe,
         })
     }
 
@@ -214,10 +219,18 @@ impl TransferEngine {
         &self.config
     }
 
+    /// The engine's latency probe: off until [`LatencyProbe::enable`]; then it records when the
+    /// latest request passed each stage (diagnostics for latency tests, one request at a time).
+    pub fn latency_probe(&self) -> &LatencyProbe {
+        &self.probe
+    }
+
     pub(crate) fn command(&self, cmd: Command) -> Result<()> {
         if self.is_stopped() {
             return Err(FabricError::Stopped);
         }
+        // Before the send: the worker may take the command before send_timeout returns.
+        self.probe.mark(Stage::Enqueued);
         self.commands.send_timeout(cmd, self.config.command_timeout).map_err(|e| match e {
             SendTimeoutError::Timeout(_) => FabricError::Timeout(format!(
                 "the worker's command queue stayed full for {:?}",

@@ -55,6 +55,8 @@ impl Worker {
         // Armed triggers take the arrivals they wait for before the table sees them.
         let batch = self.feed_triggers(batch);
         if !batch.is_empty() {
+            // Before the table: a polling waiter may return before add_batch does.
+            self.probe.mark(crate::latency_probe::Stage::ImmCounted);
             let events = self.imm.add_batch(&batch);
             self.callbacks.push_imm_events(events);
         }

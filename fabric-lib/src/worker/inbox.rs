@@ -104,7 +104,7 @@ impl Worker {
             None => {
                 let domain = (id as usize % self.domains.len()) as u16;
                 let (key, remote_base) = target.keys[domain as usize];
-                let mut cache = HashMap::new();
+                let mut cache = super::DestCache::default();
                 let dest = self.dest(&mut cache, std::slice::from_ref(&target), 0, domain)?;
                 let d = DeferredImm { peer: 0, domain, imm };
                 self.requests.get_mut(&id).expect("live request").deferred = vec![(d, dest, key, remote_base)];
@@ -157,6 +157,9 @@ impl Worker {
                 "refused {} malformed entries of the same-host inbox (a same-host process wrote into it)",
                 drained.refused
             );
+        }
+        if drained.taken > 0 {
+            self.probe.mark(crate::latency_probe::Stage::ImmSeen);
         }
         drained.taken > 0 || drained.refused > 0
     }

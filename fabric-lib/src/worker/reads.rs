@@ -1,7 +1,6 @@
 //! The worker's side of reads: each shard becomes one RMA read from the peer region into the
 //! local region, queued and retried per destination like writes, under the same deadline and
 //! fencing rules. A read carries no immediate; its completion is local.
-use std::collections::HashMap;
 
 use super::{Op, PendingPost, Worker};
 use crate::commands::{SameHostRead, Transfer};
@@ -32,7 +31,7 @@ impl Worker {
         if shards.is_empty() {
             return self.finish(id, Ok(()));
         }
-        let mut cache = HashMap::new();
+        let mut cache = super::DestCache::default();
         for s in shards {
             let dest = match self.dest(&mut cache, &targets, s.peer, s.domain) {
                 Ok(d) => d,

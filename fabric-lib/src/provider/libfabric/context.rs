@@ -28,4 +28,12 @@ impl OpContext {
     pub fn new(kind: OpKind) -> Box<Self> {
         Box::new(OpContext { provider_area: fi_context2::default(), kind })
     }
+
+    /// Makes a context whose operation completed (or was never taken) ready for another post,
+    /// as if it were new: the same box, so posting allocates nothing.
+    pub fn reuse(mut self: Box<Self>, kind: OpKind) -> Box<Self> {
+        self.provider_area = fi_context2::default();
+        self.kind = kind;
+        self
+    }
 }
