@@ -231,7 +231,7 @@ _TURNAROUND = re.compile(
 
 
 def with_server_steps(result: dict, server_err: Path) -> dict:
-    """Adds the server's ping -> pong steps (``fabric-debug server --breakdown`` prints them on
+    """Adds the server's ping -> pong steps (``fabric-debug server --echo-breakdown`` prints them on
     stderr) to the round trip's breakdown, as ``server_imm_seen_to_fired`` and
     ``server_fired_to_posted``."""
     match = _TURNAROUND.search(_tail(server_err, 100_000))
@@ -253,7 +253,7 @@ def run_fabric(a: argparse.Namespace, binary: Path, logdir: Path, same_host: boo
     mode += ["--same-host-host-memory"] if same_host else []
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
-    server += ["--breakdown"] if a.breakdown else []
+    server += ["--echo-breakdown"] if a.breakdown else []
     client = [str(binary), "client", "--json", "--wait", a.wait] + mode + common_args(a)
     if a.read_sizes:
         client += ["--tests", "throughput,read,oprate,rtt"]
@@ -274,7 +274,7 @@ def run_python_rtt(a: argparse.Namespace, binary: Path, logdir: Path) -> dict:
     mode += ["--write-completion", a.write_completion]
     server = [str(binary), "server", "--provider", a.provider, "--listen", "127.0.0.1:0"] + mode
     server += ["--domain", a.domain] if a.domain else []
-    server += ["--breakdown"] if a.breakdown else []
+    server += ["--echo-breakdown"] if a.breakdown else []
     client = [sys.executable, str(REPO / "benchmarks" / "python_rtt.py"), "--provider", a.provider]
     client += ["--poll", a.poll, "--write-completion", a.write_completion, "--wait", a.python_wait]
     client += ["--iters", str(a.iters), "--warmup-iters", str(a.warmup_iters)]

@@ -58,7 +58,7 @@ pub struct ServeArgs {
     /// With the triggered echo: report on stderr, at the end, how long the server took from
     /// reading each ping to posting its pong (the engine's latency probe).
     #[arg(long)]
-    pub breakdown: bool,
+    pub echo_breakdown: bool,
 }
 
 /// See [`ServeArgs::echo`].

@@ -32,8 +32,8 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
             Control::Echo { ping, pong, count } => {
                 match args.echo {
                     EchoKind::Triggered => {
-                        let probe = args.breakdown.then(|| (Arc::downgrade(&ep.engine), turnarounds.clone()));
-                        ep.engine.latency_probe().enable(args.breakdown);
+                        let probe = args.echo_breakdown.then(|| (Arc::downgrade(&ep.engine), turnarounds.clone()));
+                        ep.engine.latency_probe().enable(args.echo_breakdown);
                         arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count, probe)?
                     }
                     EchoKind::Callback => arm_echo(Arc::downgrade(&ep.engine), client_mr.clone(), ping, pong, count)?,
