@@ -129,6 +129,7 @@ def round_trips(a: argparse.Namespace) -> dict:
         buf = bytearray(4096)
         region = engine.register_buffer(buf)
         ch = Channel(a.connect, a.connect_timeout, a.timeout)
+        ch.send({"type": "attach", "engine": 0, "engines": 1})  # pairs with the server's engine 0
         hello = ch.recv()
         if hello.get("type") != "hello":
             raise BootstrapError(f"expected the server's hello, got {hello!r}")

@@ -27,6 +27,7 @@ HEADER_FIELDS = (
 TINY = [
     "--sizes", "4K,64K", "--read-sizes", "4K,1M", "--reps", "1", "--bytes-per-rep", "1M", "--ops", "2000",
     "--iters", "200", "--warmup-iters", "20", "--poll", "adaptive", "--timeout", "120",
+    "--breakdown", "--python-rtt",
 ]  # fmt: skip
 
 
@@ -71,6 +72,18 @@ def test_bench_transfer_result_has_the_header_and_series(transfer_run) -> None:
     assert [p["size"] for p in series["fabric-lib"]] == [4096, 65536]
     assert [p["size"] for p in series["fabric-lib read"]] == [4096, 1 << 20]
     assert all(p["gbytes_per_s"] > 0 for s in series.values() for p in s)
+
+
+def test_bench_transfer_reports_the_python_round_trip_and_the_breakdown(transfer_run) -> None:
+    """The Python client (benchmarks/python_rtt.py) speaks the server's bootstrap protocol, and
+    both clients report the per-step breakdown, the server's turnaround included."""
+    _, result = transfer_run
+    comparison = json.loads(result.read_text())["results"]["comparison"]
+    assert comparison["python_rtt"]["p50_us"] > 0
+    for client in ("fabric_lib", "python"):
+        steps = {s["step"]: s for s in comparison["breakdown"][client]}
+        for step in ("app_to_enqueued", "dequeued_to_posted", "posted_to_imm_seen", "server_fired_to_posted"):
+            assert steps[step]["p50_us"] >= 0, (client, step)
 
 
 def test_users_see_results_and_baselines_not_internal_goals(transfer_run) -> None:
