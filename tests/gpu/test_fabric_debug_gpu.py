@@ -120,7 +120,13 @@ def _run(
         )
         try:
             out = _lines(server)
-            printed = [_line(out, 120) for _ in range(lines)]
+            try:
+                printed = [_line(out, 120) for _ in range(lines)]
+            except AssertionError as e:
+                server.kill()
+                server.wait(timeout=30)
+                server_err.seek(0)
+                raise AssertionError(f"{e}; server stderr:\n{server_err.read()}") from None
             if not printed[0].startswith("READY "):
                 server.kill()
                 server.wait(timeout=30)

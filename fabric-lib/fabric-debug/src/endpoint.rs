@@ -53,6 +53,9 @@ pub struct EngineArgs {
     pub force_network: bool,
 }
 
+/// The domain name of libfabric's `shm` provider (also its provider name).
+const SHM_DOMAIN: &str = "shm";
+
 impl EngineArgs {
     /// The domain names to open, from `--domain` or `--domains N`: for an engine on a GPU, the
     /// NICs nearest that GPU first, then the host's others.
@@ -63,6 +66,10 @@ impl EngineArgs {
         use fabric_lib::provider::libfabric::{is_software, SOFTWARE_DEFAULT_DOMAIN};
         if self.provider.as_deref().is_none_or(is_software) {
             return Ok(vec![SOFTWARE_DEFAULT_DOMAIN.to_string(); n]);
+        }
+        if self.provider.as_deref() == Some(SHM_DOMAIN) {
+            // shm's one domain is not a NIC: N endpoints on it.
+            return Ok(vec![SHM_DOMAIN.to_string(); n]);
         }
         let topology = fabric_lib::topology::detect(std::path::Path::new("/"));
         let mut nics = match placement {
@@ -161,5 +168,30 @@ impl Endpoint {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.engine.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn names(args: &[&str]) -> Vec<String> {
+        let cli = Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())).expect("parses");
+        cli.engine.domain_names(Placement::Host).expect("resolves")
+    }
+
+    #[test]
+    fn domains_count_opens_the_providers_own_domain_where_it_has_no_nics() {
+        assert_eq!(names(&["--provider", "shm", "--domains", "2"]), ["shm", "shm"]);
+        assert_eq!(names(&["--provider", "tcp", "--domains", "2"]), ["lo", "lo"]);
+        assert_eq!(names(&["--provider", "shm", "--domain", "shm"]), ["shm"]);
     }
 }
