@@ -114,6 +114,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="untimed iterations first")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     p.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="process group: nccl, unless this node's ranks share a GPU (then gloo; NCCL refuses "
+        "two ranks on one GPU); gloo also where several --node-rank processes share one GPU",
+    )
+    p.add_argument(
         "--sweep",
         nargs="*",
         default=[],
@@ -548,7 +555,7 @@ def _node_rank(env: dict[str, str], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.shared_gpu = False
+    args.shared_gpu = args.backend == "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         worker(None, args)  # under torchrun: this process is one rank
         return
@@ -566,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     per_node = args.procs_per_node or gpus
     if per_node < 1 or args.world_size % per_node:
         sys.exit(f"--world-size {args.world_size} must be a multiple of the ranks per node ({per_node})")
-    args.shared_gpu = per_node > gpus
+    args.shared_gpu = per_node > gpus or args.backend == "gloo"
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
