@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn reports_once_after_the_last_part_on_the_callback_thread() {
-        let callbacks = CallbackThread::spawn().unwrap();
+        let callbacks = CallbackThread::spawn(std::time::Duration::ZERO).unwrap();
         for parts in [1usize, 2, 7, 64] {
             let (join, rx) = joined(&callbacks);
             let notifies: Vec<Notify> = (0..parts).map(|_| join.part()).collect();
@@ -180,7 +180,7 @@ mod tests {
 
     #[test]
     fn a_completion_settled_by_the_submitter_still_runs_on_the_callback_thread() {
-        let callbacks = CallbackThread::spawn().unwrap();
+        let callbacks = CallbackThread::spawn(std::time::Duration::ZERO).unwrap();
         let (join, rx) = joined(&callbacks);
         let (a, b, c) = (join.part(), join.part(), join.part());
         // Every part finished before the submitter let go: the release settles it.
@@ -197,7 +197,7 @@ mod tests {
 
     #[test]
     fn a_part_dropped_unreported_fails_the_request_with_the_recorded_cause() {
-        let callbacks = CallbackThread::spawn().unwrap();
+        let callbacks = CallbackThread::spawn(std::time::Duration::ZERO).unwrap();
         let (join, rx) = joined(&callbacks);
         let (a, b) = (join.part(), join.part());
         report(&callbacks, a, Ok(()));
@@ -215,7 +215,7 @@ mod tests {
 
     #[test]
     fn a_cancelled_request_never_reports() {
-        let callbacks = CallbackThread::spawn().unwrap();
+        let callbacks = CallbackThread::spawn(std::time::Duration::ZERO).unwrap();
         let (join, rx) = joined(&callbacks);
         let parts: Vec<Notify> = (0..3).map(|_| join.part()).collect();
         join.cancel();
@@ -225,7 +225,7 @@ mod tests {
 
     #[test]
     fn the_completion_runs_even_when_the_callback_thread_is_gone() {
-        let callbacks = CallbackThread::spawn().unwrap();
+        let callbacks = CallbackThread::spawn(std::time::Duration::ZERO).unwrap();
         let (join, rx) = joined(&callbacks);
         let part = join.part();
         callbacks.shutdown(BOUND);
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn reports_into_a_counter_too() {
-        let callbacks = CallbackThread::spawn().unwrap();
+        let callbacks = CallbackThread::spawn(std::time::Duration::ZERO).unwrap();
         let counter = CompletionCounter::new();
         let join = Joined::new(Notify::Counter(counter.clone()), callbacks.queue());
         let parts: Vec<Notify> = (0..4).map(|_| join.part()).collect();
