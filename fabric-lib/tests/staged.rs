@@ -7,6 +7,9 @@
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::Rng;
+
 use fabric_lib::staging::StagingConfig;
 use fabric_lib::{
     DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, MrHandle, PagedWriteRequest, PollMode,
@@ -31,20 +34,6 @@ fn engine_on(provider: &str, stage_host_memory: bool, transfer_timeout: Duration
         ..Default::default()
     };
     TransferEngine::new(config).unwrap_or_else(|e| panic!("opening {provider}: {e}"))
-}
-
-/// Deterministic pseudo-random numbers (xorshift), so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 struct Pair {

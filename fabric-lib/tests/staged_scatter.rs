@@ -9,7 +9,7 @@ mod common;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::register;
+use common::{register, Rng};
 use fabric_lib::staging::StagingConfig;
 use fabric_lib::{EngineConfig, FabricError, PollMode, ProviderSpec, ScatterSharding, ScatterTarget, TransferEngine};
 
@@ -27,20 +27,6 @@ fn engine(stage_host_memory: bool, transfer_timeout: Duration) -> TransferEngine
         ..Default::default()
     };
     TransferEngine::new(config).expect("opening tcp")
-}
-
-/// Deterministic pseudo-random numbers (xorshift), so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 fn filled(seed: u64) -> Vec<u8> {

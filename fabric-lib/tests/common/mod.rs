@@ -27,3 +27,17 @@ pub fn register(e: &TransferEngine, buf: &mut [u8]) -> (MrHandle, MrDescriptor) 
     // SAFETY: every buffer outlives the engines of its test (they are dropped first).
     unsafe { e.register_memory(buf.as_mut_ptr(), buf.len(), MemoryKind::Host) }.unwrap()
 }
+
+/// Deterministic pseudo-random numbers (xorshift), so failures reproduce.
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
