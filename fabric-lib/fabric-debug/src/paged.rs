@@ -51,7 +51,19 @@ impl Rng {
 }
 
 fn random_pages(rng: &mut Rng, count: u64, pool: u64) -> Vec<u32> {
-    (0..count).map(|_| rng.below(pool)).collect()
+    if count > pool {
+        // More pages than the buffer holds: some repeat.
+        return (0..count).map(|_| rng.below(pool)).collect();
+    }
+    // Distinct pages (a partial Fisher-Yates shuffle), as a KV cache's block list: a request
+    // that writes one destination page twice is refused on the staged path.
+    let mut all: Vec<u32> = (0..pool as u32).collect();
+    for i in 0..count as usize {
+        let j = i + rng.below(pool - i as u64) as usize;
+        all.swap(i, j);
+    }
+    all.truncate(count as usize);
+    all
 }
 
 impl Target<'_> {
@@ -138,5 +150,21 @@ fn summarize(
                 share: b / all_bytes,
             })
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_are_distinct_while_the_pool_allows() {
+        let mut rng = Rng(7);
+        let mut pages = random_pages(&mut rng, 1000, 1024);
+        assert!(pages.iter().all(|&p| p < 1024));
+        pages.sort_unstable();
+        pages.dedup();
+        assert_eq!(pages.len(), 1000);
+        assert_eq!(random_pages(&mut rng, 10, 4).len(), 10);
     }
 }
