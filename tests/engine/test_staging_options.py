@@ -82,3 +82,22 @@ def test_a_scatter_stages_each_target_like_a_single_write() -> None:
         assert a.staging_stats.bounced_bytes == 70_001 + 50_000 + 40_000
         assert b.staging_stats.landed_bytes == 70_001 + 50_000
         assert c.staging_stats.landed_bytes == 0
+
+
+def test_a_staged_paged_write_into_one_page_twice_is_refused_before_anything_lands() -> None:
+    """The receiver counts a staged request complete by its bytes: destination pages that
+    overlap are refused on the writer's side, typed, with nothing sent."""
+    staged = {"stage_host_memory": True, "staging_chunk_bytes": 16 << 10, "staging_slots": 3}
+    with _engine(**staged) as a, _engine(**staged) as b:
+        src = torch.randint(1, 256, (1 << 16,), dtype=torch.uint8)
+        dst = torch.zeros(1 << 16, dtype=torch.uint8)
+        rs, rd = a.register_tensor(src), b.register_tensor(dst)
+        with b.imm_counter(7) as counter:
+            with pytest.raises(InvalidArgumentError, match="overlap"):
+                a.submit_paged_writes(4096, rs, [0, 1, 2], rd.descriptor, [3, 5, 3], imm=7).result(timeout=30)
+            assert int(dst.count_nonzero()) == 0 and counter.value == 0
+            assert a.staging_stats.requests_sent == 0
+            # The engines serve the next request as usual.
+            a.submit_paged_writes(4096, rs, [0, 1, 2], rd.descriptor, [3, 5, 4], imm=7).result(timeout=30)
+            counter.wait(1, timeout=30)
+        assert torch.equal(dst[3 * 4096 : 4 * 4096], src[:4096])

@@ -40,6 +40,8 @@ pub fn plan_chunks_bounded(
     if chunk_bytes == 0 || max_pieces == 0 {
         return Err(FabricError::InvalidArgument("chunk size and pieces per chunk must be positive".into()));
     }
+    let pieces: Vec<(u64, u64, u64)> = pieces.into_iter().collect();
+    check_disjoint_destinations(&pieces)?;
     let mut chunks: Vec<Chunk> = Vec::new();
     let mut current = Chunk { index: 0, bytes: 0, pieces: Vec::new() };
     for (mut src, mut dst, mut len) in pieces {
@@ -61,6 +63,25 @@ pub fn plan_chunks_bounded(
         return Err(FabricError::InvalidArgument(format!("a transfer of {} chunks is too many", chunks.len())));
     }
     Ok(chunks)
+}
+
+/// The receiver counts a staged transfer complete by its bytes, so a destination byte may be
+/// written once per transfer: pieces whose destinations overlap are refused before anything is
+/// posted (the receiver would refuse them after part of the transfer landed).
+fn check_disjoint_destinations(pieces: &[(u64, u64, u64)]) -> Result<()> {
+    let mut ranges: Vec<(u64, u64)> =
+        pieces.iter().filter(|p| p.2 > 0).map(|&(_, dst, len)| (dst, dst.saturating_add(len))).collect();
+    ranges.sort_unstable();
+    for pair in ranges.windows(2) {
+        if pair[1].0 < pair[0].1 {
+            return Err(FabricError::InvalidArgument(format!(
+                "staged transfer: destination ranges [{}, {}) and [{}, {}) overlap (a staged write may \
+                 write each destination byte once)",
+                pair[0].0, pair[0].1, pair[1].0, pair[1].1
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -106,5 +127,14 @@ mod tests {
         assert!(plan_chunks([(0, 0, 0)], 4096).unwrap().is_empty());
         assert!(plan_chunks(std::iter::empty(), 4096).unwrap().is_empty());
         assert!(matches!(plan_chunks([(0, 0, 1)], 0), Err(FabricError::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn overlapping_destinations_are_refused() {
+        let err = plan_chunks([(0, 0, 4096), (4096, 2048, 4096)], 4096).unwrap_err();
+        assert!(matches!(err, FabricError::InvalidArgument(ref m) if m.contains("overlap")), "{err}");
+        // The same page twice, and adjacent or empty pieces (fine).
+        assert!(plan_chunks([(0, 8192, 4096), (4096, 8192, 4096)], 4096).is_err());
+        assert!(plan_chunks([(0, 0, 4096), (4096, 4096, 4096), (0, 100, 0)], 4096).is_ok());
     }
 }
