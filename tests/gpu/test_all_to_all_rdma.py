@@ -94,6 +94,15 @@ def new_a2a(layout: Layout, dtype: Any, **kw: Any) -> Any:
     return a2a
 
 
+def settle(a2a: Any) -> None:
+    """With shm and GPU buffers, waits for this stream's calls before the host queues anything
+    else: shm's device copies run on the legacy default stream, which the proxy waits for, and a
+    pageable host copy queued there behind a receive kernel would hold that wait until the kernel
+    timed out (docs/all_to_all_rdma.md, Limits). Nothing to do elsewhere."""
+    if a2a._side_stream_only:
+        torch.cuda.current_stream().synchronize()
+
+
 def round_trip(a2a: Any, kind: str, T: int, gen: Any, *, T_live: int | None = None) -> None:
     dev = a2a.device
     x, scales, deq = make_tokens(T, a2a.dispatch_dtype, gen, dev, a2a.hidden)
@@ -104,8 +113,10 @@ def round_trip(a2a: Any, kind: str, T: int, gen: Any, *, T_live: int | None = No
     else:
         T_live = T
     out = a2a.dispatch(x, idx, scales=scales, num_tokens=nt)
+    settle(a2a)
     check_dispatch(a2a, out, x, scales, idx, T_live)
     got = a2a.combine(run_experts(a2a, out), idx, w)
+    settle(a2a)
     check_combine(got, deq, idx, w, a2a.num_experts, T_live)
     a2a.check()
 
@@ -157,10 +168,12 @@ def sc_split_halves(layout: Layout, gen: Any) -> None:
             m = torch.randn(256, 256, device=dev)
             m = m @ m
             out = a2a.dispatch(do_send=False)
+            settle(a2a)
             check_dispatch(a2a, out, x, scales, idx, MAX_TOKENS)
             assert a2a.combine(run_experts(a2a, out), idx, w, do_recv=False) is None
             m = m @ m
             got = a2a.combine(None, idx, None, do_send=False)
+            settle(a2a)
             check_combine(got, deq, idx, w, a2a.num_experts, MAX_TOKENS)
         a2a.check()
         a2a.destroy()
@@ -177,8 +190,10 @@ def sc_consecutive(layout: Layout, gen: Any) -> None:
         idx, w = make_routing(("masked", "uniform", "skewed")[i % 3], T, a2a.num_experts, gen, dev)
         out = a2a.dispatch(x, idx, scales=scales)
         if i % 100 == 0:
+            settle(a2a)
             check_dispatch(a2a, out, x, scales, idx, T)
         got = a2a.combine(run_experts(a2a, out), idx, w)
+        settle(a2a)
         want = expected_combine(deq, idx, w, a2a.num_experts, T)
         err = ((got.float() - want).abs() - 2e-2 * want.abs()).amax() if T else torch.zeros((), device=dev)
         worst = torch.maximum(worst, err)
@@ -222,6 +237,7 @@ def sc_cuda_graph(layout: Layout, gen: Any) -> None:
         sw.copy_(w)
         sn.fill_(T_live)
         g.replay()
+        settle(a2a)
         want = expected_combine(deq, idx, w, E, T_live)
         worst = torch.maximum(worst, ((res.float() - want).abs() - 2e-2 * want.abs()).amax())
     a2a.check()
