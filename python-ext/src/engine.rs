@@ -403,7 +403,13 @@ impl PyTransferEngine {
         Ok(completion)
     }
 
-    fn submit_barrier(&self, py: Python<'_>, imm: u32, group: u64, callback: Option<Py<PyAny>>) -> PyResult<Option<PyCompletion>> {
+    fn submit_barrier(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        group: u64,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
         py.detach(|| self.engine.submit_barrier(imm, PeerGroup(group), on_done)).py(py)?;
         Ok(completion)

@@ -22,7 +22,7 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures._base import LOGGER as _FUTURES_LOG
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import CallbackThreadError, FabricError
+from .errors import CallbackThreadError, FabricError, FabricTimeoutError
 
 if TYPE_CHECKING:
     from ._rust import Completion
@@ -77,8 +77,8 @@ class EngineFuture(Future[None]):
         self._done_callbacks: list[Callable[[Future[None]], object]] = []
 
     # -- Future's private attributes, as concurrent.futures.wait/as_completed use them --------
-    @property  # type: ignore[override]
-    def _condition(self) -> threading.Condition:
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
         cond = self.__dict__.get("_cond")
         if cond is None:  # setdefault is atomic: racing threads end up with the same condition
             cond = self.__dict__.setdefault("_cond", threading.Condition())
@@ -162,7 +162,8 @@ class EngineFuture(Future[None]):
                     "add_done_callback or on_done, or hand the wait to another thread."
                 )
             if not self._native.wait(timeout):
-                raise TimeoutError()
+                # a TimeoutError, as concurrent.futures raises
+                raise FabricTimeoutError(f"Future.{method}() timed out after {timeout}s")
             self._sync()
             st = self._st
         return st

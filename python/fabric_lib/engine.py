@@ -853,7 +853,9 @@ class TransferEngine:
             _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
             native_targets.append((length, src_offset, _as_descriptor(dst), dst_offset))
         callback = _native_on_done(on_done)
-        completion = self._native.submit_scatter(group, src.handle, native_targets, imm, shard_by == "bytes", callback)
+        completion = self._native.submit_scatter(
+            group, src.handle, native_targets, imm, shard_by == "bytes", callback
+        )
         return _future(completion)
 
     @overload

@@ -26,7 +26,9 @@ TRIGGER = 0x5100
 PING = 0x5200
 
 
-def held_back(a: fabric_lib.TransferEngine, b: fabric_lib.TransferEngine, trigger: int = TRIGGER) -> Future[None]:
+def held_back(
+    a: fabric_lib.TransferEngine, b: fabric_lib.TransferEngine, trigger: int = TRIGGER
+) -> Future[None]:
     """A request of ``a`` posted only once ``trigger`` arrived at ``a``."""
     return a.submit_imm(PING, b.main_address, after_imm=(trigger, 1))
 
@@ -108,7 +110,9 @@ def test_wait_and_as_completed_see_completions_that_happen_while_they_wait(tcp_p
     done, not_done = concurrent.futures.wait(pending, timeout=0.05)
     assert not done and len(not_done) == 2
     threading.Timer(0.05, release, (a, b)).start()
-    done, not_done = concurrent.futures.wait(pending, timeout=20, return_when=concurrent.futures.FIRST_COMPLETED)
+    done, not_done = concurrent.futures.wait(
+        pending, timeout=20, return_when=concurrent.futures.FIRST_COMPLETED
+    )
     assert done == {pending[0]} and not_done == {pending[1]}
     threading.Timer(0.05, release, (a, b, TRIGGER + 1)).start()
     assert list(concurrent.futures.as_completed(pending[1:], timeout=20)) == pending[1:]
@@ -135,10 +139,13 @@ def test_asyncio_awaits_request_futures_before_and_after_completion(tcp_pair: Pa
         await asyncio.sleep(0.02)
         assert not waiting.done()
         await asyncio.get_running_loop().run_in_executor(None, release, a, b)
-        assert await asyncio.wait_for(waiting, 20) is None
+        await asyncio.wait_for(waiting, 20)
+        assert waiting.result() is None
         late = a.submit_imm(PING, b.main_address)
         late.result(timeout=20)
-        assert await asyncio.wait_for(asyncio.wrap_future(late), 20) is None
+        awaited = asyncio.ensure_future(asyncio.wrap_future(late))
+        await asyncio.wait_for(awaited, 20)
+        assert awaited.result() is None
 
     asyncio.run(scenario())
     b.imm_counter(PING).wait(2, timeout=20)
