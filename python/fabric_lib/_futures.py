@@ -102,22 +102,33 @@ class EngineFuture(Future[None]):
     # -- settling -------------------------------------------------------------------------------
     def _sync(self) -> None:
         """Brings a finished (or cancelled) native outcome in; the caller saw it done."""
-        with self._condition:
+        cond = self.__dict__.get("_cond")
+        if cond is None:
+            # Nobody made the condition, so nobody armed the native side or installed a waiter,
+            # and nobody can any more (arming fails once the native side is done): under the
+            # GIL, setting the fields (the exception before the state) needs no lock.
+            if self._st in _UNSETTLED:
+                self._take_outcome()
+            return
+        with cond:
             if self._st not in _UNSETTLED:
                 return
-            error = self._native.error()
-            if error is None and self._native.cancelled():
-                self._st = _CANCELLED
-                self._condition.notify_all()
-                return
-            self._exception = error
-            self._st = _FINISHED
-            for waiter in self._waiters:
-                if error is None:
-                    waiter.add_result(self)
-                else:
-                    waiter.add_exception(self)
-            self._condition.notify_all()
+            self._take_outcome()
+            if self._st == _FINISHED:
+                for waiter in self._waiters:
+                    if self._exception is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+            cond.notify_all()
+
+    def _take_outcome(self) -> None:
+        native = self._native
+        if native.cancelled():  # only ever under the condition (ExpectationFuture.cancel)
+            self._st = _CANCELLED
+            return
+        self._exception = native.error()
+        self._st = _FINISHED
 
     def _arm(self) -> bool:
         """Under the condition, while unsettled: makes the native side call ``_settle`` once

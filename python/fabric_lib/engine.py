@@ -921,11 +921,11 @@ class TransferEngine:
         ``after_timeout``: posted by the worker once an immediate count is reached, as for
         ``submit_write`` (an echo answering each ping: one ``submit_imm(pong, peer,
         after_imm=(ping, 1))`` per expected ping)."""
-        _check_imm(imm)
         if imm is None:
             raise InvalidArgumentError("imm is required")
-        after = _trigger(after_imm, after_timeout)
-        callback = _native_on_done(on_done)
+        _check_imm(imm)
+        after = None if after_imm is None and after_timeout is None else _trigger(after_imm, after_timeout)
+        callback = None if on_done is None else _native_on_done(on_done)
         if isinstance(dst, EngineAddress):
             if after is None:
                 completion = self._native.submit_imm_to(imm, dst, callback)

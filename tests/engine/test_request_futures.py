@@ -235,3 +235,37 @@ def test_a_future_completes_while_the_submitting_thread_holds_the_gil(tcp_pair: 
         sys.setswitchinterval(interval)
     assert completed
     assert f.result(timeout=0) is None and expected.result(timeout=0) is None
+
+
+def test_callbacks_run_once_each_when_completion_races_with_readers(tcp_pair: Pair) -> None:
+    """Done-callbacks added while requests complete, with other threads reading and waiting on
+    the same Futures: none is lost, none runs twice, every wait returns."""
+    a, b = tcp_pair
+    n = 300
+    futures = [a.submit_imm(PING, b.main_address) for _ in range(n)]
+    calls = [0] * n
+    lock = threading.Lock()
+
+    def counted(i: int) -> None:
+        def callback(_: Future[None]) -> None:
+            with lock:
+                calls[i] += 1
+
+        futures[i].add_done_callback(callback)
+
+    readers = [
+        threading.Thread(target=lambda: [counted(i) for i in range(n)]),
+        threading.Thread(target=lambda: concurrent.futures.wait(futures, timeout=20)),
+        threading.Thread(target=lambda: [f.done() for f in futures]),
+    ]
+    for t in readers:
+        t.start()
+    for f in futures:
+        f.result(timeout=20)
+    for t in readers:
+        t.join(timeout=20)
+    deadline = time.monotonic() + 20
+    while sum(calls) < n and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert calls == [1] * n
+    b.imm_counter(PING).wait(n, timeout=20)
