@@ -253,8 +253,12 @@ def test_callbacks_run_once_each_when_completion_races_with_readers(tcp_pair: Pa
 
         futures[i].add_done_callback(callback)
 
+    def add_callbacks() -> None:
+        for i in range(n):
+            counted(i)
+
     readers = [
-        threading.Thread(target=lambda: [counted(i) for i in range(n)]),
+        threading.Thread(target=add_callbacks),
         threading.Thread(target=lambda: concurrent.futures.wait(futures, timeout=20)),
         threading.Thread(target=lambda: [f.done() for f in futures]),
     ]
