@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import sys
 import threading
 import time
@@ -219,8 +220,9 @@ def test_an_expectation_reached_cannot_be_cancelled(tcp_pair: Pair) -> None:
 def test_a_future_completes_while_the_submitting_thread_holds_the_gil(tcp_pair: Pair) -> None:
     """Completing a Future nobody watches needs no Python on the callback thread: it completes
     while this thread never lets the GIL go (no switch interval, no blocking call)."""
+    if os.environ.get("FABRIC_LIB_LOG", "warn").lower() not in ("", "warn", "error", "off"):
+        pytest.skip("verbose FABRIC_LIB_LOG: the engine's threads take the GIL to log")
     a, b = tcp_pair
-    b.imm_counter(PING)  # counted, not handed to a callback
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     try:
