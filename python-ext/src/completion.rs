@@ -89,15 +89,32 @@ impl PyCompletion {
     }
 }
 
+/// How often a long `Completion.wait` lets Python's signal handlers run.
+const SIGNAL_CHECK: Duration = Duration::from_millis(50);
+
 impl PyCompletion {
+    /// Whether it settled by `until`: polls first (see `poll`), then sleeps on the condition.
+    fn wait_until(&self, until: Instant) -> bool {
+        if self.poll(until) {
+            return true;
+        }
+        let mut state = self.0.state.lock();
+        while matches!(*state, State::Pending(_)) {
+            if self.0.finished.wait_until(&mut state, until).timed_out() {
+                break;
+            }
+        }
+        !matches!(*state, State::Pending(_))
+    }
+
     /// Polls for up to the engine's `wait_spin` (and at most until `deadline`): a waiter that
     /// polls is not woken through the scheduler, which costs several µs per round trip.
-    fn poll(&self, deadline: Option<Instant>) -> bool {
+    fn poll(&self, deadline: Instant) -> bool {
         if self.0.wait_spin.is_zero() {
             return self.0.settled.load(Ordering::Acquire);
         }
         let Some(until) = Instant::now().checked_add(self.0.wait_spin) else { return false };
-        let until = deadline.map_or(until, |d| d.min(until));
+        let until = deadline.min(until);
         let mut polls: u32 = 0;
         while !self.0.settled.load(Ordering::Acquire) {
             polls = polls.wrapping_add(1);
@@ -149,36 +166,31 @@ impl PyCompletion {
         true
     }
 
-    /// Blocks (GIL released) until done (or cancelled) or `timeout` seconds passed (None: no limit; a negative
-    /// or NaN timeout does not wait); returns `done()`.
+    /// Blocks (GIL released) until done (or cancelled) or `timeout` seconds passed (None: no
+    /// limit; a negative or NaN timeout does not wait); returns `done()`. Signal handlers run
+    /// every `SIGNAL_CHECK` meanwhile, so Ctrl-C interrupts a long wait as it would a Python one.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> bool {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         if self.done() {
-            return true;
+            return Ok(true);
         }
         let deadline = match timeout {
             None => None,
-            Some(t) if t.is_nan() || t <= 0.0 => return false,
+            Some(t) if t.is_nan() || t <= 0.0 => return Ok(false),
             // Beyond what an Instant can hold: treated as no limit.
             Some(t) => Duration::try_from_secs_f64(t).ok().and_then(|d| Instant::now().checked_add(d)),
         };
-        py.detach(|| {
-            if self.poll(deadline) {
-                return true;
+        loop {
+            let slice_end = Instant::now() + SIGNAL_CHECK;
+            let until = deadline.map_or(slice_end, |d| d.min(slice_end));
+            if py.detach(|| self.wait_until(until)) {
+                return Ok(true);
             }
-            let mut state = self.0.state.lock();
-            while matches!(*state, State::Pending(_)) {
-                match deadline {
-                    None => self.0.finished.wait(&mut state),
-                    Some(deadline) => {
-                        if self.0.finished.wait_until(&mut state, deadline).timed_out() {
-                            break;
-                        }
-                    }
-                }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
             }
-            !matches!(*state, State::Pending(_))
-        })
+            py.check_signals()?;
+        }
     }
 
     /// The exception the request failed with (a `fabric_lib.errors` class; the same object on

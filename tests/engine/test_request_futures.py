@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -275,3 +276,27 @@ def test_callbacks_run_once_each_when_completion_races_with_readers(tcp_pair: Pa
         time.sleep(0.001)
     assert calls == [1] * n
     b.imm_counter(PING).wait(n, timeout=20)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_interrupts_a_long_result_wait(tcp_pair: Pair) -> None:
+    """A wait on a pending Future runs the signal handlers meanwhile (Ctrl-C works)."""
+    _, b = tcp_pair
+    f = b.expect_imm_count(PING, 1)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        start = time.monotonic()
+        with pytest.raises(_Interrupted):
+            f.result(timeout=20)
+        assert time.monotonic() - start < 10
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert f.cancel()
