@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures._base import LOGGER as _FUTURES_LOG
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -218,6 +218,15 @@ class EngineFuture(Future[None]):
                     self._done_callbacks.append(fn)
                     return
         self._run_callbacks([fn])
+
+    def set_running_or_notify_cancel(self) -> bool:
+        raise InvalidStateError("the engine settles this Future")
+
+    def set_result(self, result: None) -> None:
+        raise InvalidStateError("the engine settles this Future")
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise InvalidStateError("the engine settles this Future")
 
 
 class ExpectationFuture(EngineFuture):

@@ -45,6 +45,8 @@ def test_a_pending_request_future_behaves_as_a_running_future(tcp_pair: Pair) ->
     assert isinstance(f, Future)
     assert not f.done() and f.running() and not f.cancelled()
     assert not f.cancel(), "a request cannot be cancelled"
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        f.set_result(None)  # the engine settles it
     with pytest.raises(concurrent.futures.TimeoutError):
         f.result(timeout=0.05)
     with pytest.raises(concurrent.futures.TimeoutError):
