@@ -43,7 +43,7 @@ fn keep_thread_state() {
     });
 }
 
-fn call_logged(
+pub fn call_logged(
     callback: &Py<PyAny>,
     make_args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>,
 ) {

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::callbacks;
+use crate::completion::{self, PyCompletion};
 use crate::config::{engine_config, invalid, seconds};
 use crate::errors::IntoPyResult;
 use crate::gpu::{PyGpuFlag, PyUvmWatcher};
@@ -37,6 +38,8 @@ fn trigger(py: Python<'_>, (imm, count, timeout): (u32, u64, Option<f64>)) -> Py
 #[pyclass(name = "TransferEngine", module = "fabric_lib._rust", frozen)]
 pub struct PyTransferEngine {
     engine: TransferEngine,
+    /// How long waits on this engine's completions poll before they sleep.
+    wait_spin: std::time::Duration,
 }
 
 #[pymethods]
@@ -52,7 +55,8 @@ impl PyTransferEngine {
     ) -> PyResult<Self> {
         let config = EngineConfig { provider: ProviderSpec { provider, domains }, ..engine_config(py, options)? };
         let engine = py.detach(|| TransferEngine::new(config)).py(py)?;
-        Ok(PyTransferEngine { engine })
+        let wait_spin = engine.config().wait_spin();
+        Ok(PyTransferEngine { engine, wait_spin })
     }
 
     fn main_address(&self) -> PyEngineAddress {
@@ -163,15 +167,16 @@ impl PyTransferEngine {
         dst: PyRef<'_, PyMrDescriptor>,
         dst_offset: u64,
         imm: Option<u32>,
-        callback: Py<PyAny>,
+        callback: Option<Py<PyAny>>,
         domain: Option<usize>,
         shard_domains: usize,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<PyCompletion>> {
         let dst = &dst.0;
         let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
         let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_write(&req, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_write(&req, on_done)).py(py)?;
+        Ok(completion)
     }
 
     /// `submit_write` posted by the worker once `after` = (imm, count, timeout) is reached.
@@ -187,16 +192,17 @@ impl PyTransferEngine {
         dst: PyRef<'_, PyMrDescriptor>,
         dst_offset: u64,
         imm: Option<u32>,
-        callback: Py<PyAny>,
+        callback: Option<Py<PyAny>>,
         domain: Option<usize>,
         shard_domains: usize,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let dst = &dst.0;
         let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
         let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.arm_write(when, &req, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.arm_write(when, &req, on_done)).py(py)?;
+        Ok(completion)
     }
 
     /// `submit_imm` posted by the worker once `after` is reached.
@@ -206,12 +212,13 @@ impl PyTransferEngine {
         after: (u32, u64, Option<f64>),
         imm: u32,
         dst: PyRef<'_, PyMrDescriptor>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let dst = &dst.0;
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.arm_imm(when, imm, dst, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.arm_imm(when, imm, dst, on_done)).py(py)?;
+        Ok(completion)
     }
 
     /// `submit_imm_to` posted by the worker once `after` is reached.
@@ -221,12 +228,13 @@ impl PyTransferEngine {
         after: (u32, u64, Option<f64>),
         imm: u32,
         peer: PyRef<'_, PyEngineAddress>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let peer = &peer.0;
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.arm_imm_to(when, imm, peer, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.arm_imm_to(when, imm, peer, on_done)).py(py)?;
+        Ok(completion)
     }
 
     /// `submit_send` posted by the worker once `after` is reached.
@@ -236,12 +244,13 @@ impl PyTransferEngine {
         after: (u32, u64, Option<f64>),
         peer: PyRef<'_, PyEngineAddress>,
         data: Vec<u8>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let peer = &peer.0;
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.arm_send(when, peer, data, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.arm_send(when, peer, data, on_done)).py(py)?;
+        Ok(completion)
     }
 
     fn submit_imm(
@@ -249,11 +258,12 @@ impl PyTransferEngine {
         py: Python<'_>,
         imm: u32,
         dst: PyRef<'_, PyMrDescriptor>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let dst = &dst.0;
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_imm(imm, dst, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_imm(imm, dst, on_done)).py(py)?;
+        Ok(completion)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -270,8 +280,8 @@ impl PyTransferEngine {
         dst_stride: u64,
         dst_offset: u64,
         imm: Option<u32>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let dst = &dst.0;
         let (src_pages, dst_pages) = (page_indices(src_pages)?, page_indices(dst_pages)?);
         let req = PagedWriteRequest {
@@ -286,8 +296,9 @@ impl PyTransferEngine {
             dst_offset,
             imm,
         };
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)?;
+        Ok(completion)
     }
 
     /// `domain`: None shards over up to `shard_domains` domains; an int pins one domain.
@@ -301,15 +312,16 @@ impl PyTransferEngine {
         length: u64,
         dst: u64,
         dst_offset: u64,
-        callback: Py<PyAny>,
+        callback: Option<Py<PyAny>>,
         domain: Option<usize>,
         shard_domains: usize,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<PyCompletion>> {
         let src = &src.0;
         let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
         let req = ReadRequest { src, src_offset, len: length, dst: MrHandle(dst), dst_offset, domains };
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_read(&req, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_read(&req, on_done)).py(py)?;
+        Ok(completion)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -325,8 +337,8 @@ impl PyTransferEngine {
         dst_pages: &Bound<'_, PyAny>,
         dst_stride: u64,
         dst_offset: u64,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let src = &src.0;
         let (src_pages, dst_pages) = (page_indices(src_pages)?, page_indices(dst_pages)?);
         let req = PagedReadRequest {
@@ -340,8 +352,9 @@ impl PyTransferEngine {
             dst_stride,
             dst_offset,
         };
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_paged_reads(&req, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_paged_reads(&req, on_done)).py(py)?;
+        Ok(completion)
     }
 
     fn submit_imm_to(
@@ -349,11 +362,12 @@ impl PyTransferEngine {
         py: Python<'_>,
         imm: u32,
         peer: PyRef<'_, PyEngineAddress>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let peer = &peer.0;
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_imm_to(imm, peer, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_imm_to(imm, peer, on_done)).py(py)?;
+        Ok(completion)
     }
 
     fn add_peer_group(&self, py: Python<'_>, peers: Vec<PyRef<'_, PyEngineAddress>>) -> PyResult<u64> {
@@ -371,8 +385,8 @@ impl PyTransferEngine {
         targets: Vec<(u64, u64, PyRef<'_, PyMrDescriptor>, u64)>,
         imm: Option<u32>,
         by_bytes: bool,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let targets: Vec<ScatterTarget<'_>> = targets
             .iter()
             .map(|(len, src_offset, dst, dst_offset)| ScatterTarget {
@@ -383,14 +397,22 @@ impl PyTransferEngine {
             })
             .collect();
         let sharding = if by_bytes { ScatterSharding::ByBytes } else { ScatterSharding::ByPeer };
-        let on_done = callbacks::on_done(callback);
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
         let group = group.map(PeerGroup);
-        py.detach(|| self.engine.submit_scatter(group, MrHandle(src), &targets, imm, sharding, on_done)).py(py)
+        py.detach(|| self.engine.submit_scatter(group, MrHandle(src), &targets, imm, sharding, on_done)).py(py)?;
+        Ok(completion)
     }
 
-    fn submit_barrier(&self, py: Python<'_>, imm: u32, group: u64, callback: Py<PyAny>) -> PyResult<()> {
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_barrier(imm, PeerGroup(group), on_done)).py(py)
+    fn submit_barrier(
+        &self,
+        py: Python<'_>,
+        imm: u32,
+        group: u64,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_barrier(imm, PeerGroup(group), on_done)).py(py)?;
+        Ok(completion)
     }
 
     fn submit_send(
@@ -398,11 +420,12 @@ impl PyTransferEngine {
         py: Python<'_>,
         peer: PyRef<'_, PyEngineAddress>,
         data: Vec<u8>,
-        callback: Py<PyAny>,
-    ) -> PyResult<()> {
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Option<PyCompletion>> {
         let peer = &peer.0;
-        let on_done = callbacks::on_done(callback);
-        py.detach(|| self.engine.submit_send(peer, data, on_done)).py(py)
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| self.engine.submit_send(peer, data, on_done)).py(py)?;
+        Ok(completion)
     }
 
     #[pyo3(signature = (callback=None))]
@@ -413,6 +436,14 @@ impl PyTransferEngine {
 
     fn set_imm_count_expected(&self, py: Python<'_>, imm: u32, count: u64, callback: Py<PyAny>) -> PyResult<()> {
         self.engine.set_imm_count_expected(imm, count, callbacks::on_reached(callback)).py(py)
+    }
+
+    /// Like `set_imm_count_expected`, reporting to a `Completion` (no Python on the callback
+    /// thread unless a callable is registered on it).
+    fn expect_imm_count(&self, py: Python<'_>, imm: u32, count: u64) -> PyResult<PyCompletion> {
+        let (completion, on_reached) = PyCompletion::for_expectation(self.wait_spin);
+        self.engine.set_imm_count_expected(imm, count, on_reached).py(py)?;
+        Ok(completion)
     }
 
     fn remove_imm_count(&self, imm: u32) -> u64 {

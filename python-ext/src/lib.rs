@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 
 mod all_to_all;
 mod callbacks;
+mod completion;
 mod config;
 mod engine;
 mod errors;
@@ -39,6 +40,7 @@ fn gpu_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     logging::route_to_python(m.py());
     m.add_class::<engine::PyTransferEngine>()?;
+    m.add_class::<completion::PyCompletion>()?;
     m.add_class::<values::PyEngineAddress>()?;
     m.add_class::<values::PyMrDescriptor>()?;
     m.add_function(wrap_pyfunction!(config::engine_defaults, m)?)?;

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Callable, Literal, Sequence, overload
 
 from . import _fork, _rust
-from ._futures import ExpectationFuture, completion_future, guarded
+from ._futures import EngineFuture, ExpectationFuture, guarded
 from .errors import InvalidArgumentError
 from .imm_counter import ImmCounter
 from .topology import Topology, detect_topology
@@ -212,6 +212,23 @@ def _page_list(pages: Any) -> bytes:
         return array.array("I", pages).tobytes()
     except (OverflowError, TypeError) as e:
         raise InvalidArgumentError(f"page indices must be integers in [0, 2**32): {e}") from None
+
+
+def _native_on_done(on_done: OnDone | None) -> OnDone | None:
+    """The native submit's callback: None (it then returns a ``Completion``, which the Future
+    wraps) or the user's ``on_done``, guarded."""
+    if on_done is None:
+        return None
+    if not callable(on_done):
+        raise InvalidArgumentError(
+            f"on_done must be callable (called with None or the error), not {_kind_of(on_done)}"
+        )
+    return guarded(on_done)
+
+
+def _future(completion: _rust.Completion | None) -> Future[None] | None:
+    """The Future a submit without ``on_done`` returns (None with one)."""
+    return None if completion is None else EngineFuture(completion)
 
 
 def _stop_native(native: Any, regions: dict[int, MemoryRegion]) -> None:
@@ -562,9 +579,9 @@ class TransferEngine:
         _check_imm(imm)
         _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
         after = _trigger(after_imm, after_timeout)
-        future, callback = self._completion(on_done)
+        callback = _native_on_done(on_done)
         native = self._native.submit_write if after is None else partial(self._native.arm_write, after)
-        native(
+        completion = native(
             src.handle,
             src_offset,
             length,
@@ -575,7 +592,7 @@ class TransferEngine:
             domain,
             2**63 if shard_domains is None else shard_domains,
         )
-        return future
+        return _future(completion)
 
     @overload
     def submit_paged_writes(
@@ -633,8 +650,8 @@ class TransferEngine:
         _check_imm(imm)
         src = _as_region(src)
         _check_non_negative(page_len=page_len, src_offset=src_offset, dst_offset=dst_offset)
-        future, callback = self._completion(on_done)
-        self._native.submit_paged_writes(
+        callback = _native_on_done(on_done)
+        completion = self._native.submit_paged_writes(
             page_len,
             src.handle,
             _page_list(src_pages),
@@ -647,7 +664,7 @@ class TransferEngine:
             imm,
             callback,
         )
-        return future
+        return _future(completion)
 
     @overload
     def submit_read(
@@ -701,8 +718,8 @@ class TransferEngine:
         if length is None:
             length = dst.length - dst_offset
         _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
-        future, callback = self._completion(on_done)
-        self._native.submit_read(
+        callback = _native_on_done(on_done)
+        completion = self._native.submit_read(
             _as_descriptor(src, "src"),
             src_offset,
             length,
@@ -712,7 +729,7 @@ class TransferEngine:
             domain,
             2**63 if shard_domains is None else shard_domains,
         )
-        return future
+        return _future(completion)
 
     @overload
     def submit_paged_reads(
@@ -767,8 +784,8 @@ class TransferEngine:
         """
         dst = _as_region(dst, "dst")
         _check_non_negative(page_len=page_len, src_offset=src_offset, dst_offset=dst_offset)
-        future, callback = self._completion(on_done)
-        self._native.submit_paged_reads(
+        callback = _native_on_done(on_done)
+        completion = self._native.submit_paged_reads(
             page_len,
             _as_descriptor(src, "src"),
             _page_list(src_pages),
@@ -780,7 +797,7 @@ class TransferEngine:
             dst_offset,
             callback,
         )
-        return future
+        return _future(completion)
 
     def add_peer_group(self, peers: Sequence[Peer]) -> int:
         """Registers peer engines for ``submit_scatter``/``submit_barrier``; returns the group id."""
@@ -835,9 +852,11 @@ class TransferEngine:
         for length, src_offset, dst, dst_offset in targets:
             _check_non_negative(length=length, src_offset=src_offset, dst_offset=dst_offset)
             native_targets.append((length, src_offset, _as_descriptor(dst), dst_offset))
-        future, callback = self._completion(on_done)
-        self._native.submit_scatter(group, src.handle, native_targets, imm, shard_by == "bytes", callback)
-        return future
+        callback = _native_on_done(on_done)
+        completion = self._native.submit_scatter(
+            group, src.handle, native_targets, imm, shard_by == "bytes", callback
+        )
+        return _future(completion)
 
     @overload
     def submit_barrier(
@@ -864,9 +883,9 @@ class TransferEngine:
     ) -> Future[None] | None:
         """Sends ``imm`` to every member of ``group``; each member counts it once."""
         _check_imm(imm)
-        future, callback = self._completion(on_done)
-        self._native.submit_barrier(imm, group, callback)
-        return future
+        callback = _native_on_done(on_done)
+        completion = self._native.submit_barrier(imm, group, callback)
+        return _future(completion)
 
     @overload
     def submit_imm(
@@ -902,21 +921,21 @@ class TransferEngine:
         ``after_timeout``: posted by the worker once an immediate count is reached, as for
         ``submit_write`` (an echo answering each ping: one ``submit_imm(pong, peer,
         after_imm=(ping, 1))`` per expected ping)."""
-        _check_imm(imm)
         if imm is None:
             raise InvalidArgumentError("imm is required")
-        after = _trigger(after_imm, after_timeout)
-        future, callback = self._completion(on_done)
+        _check_imm(imm)
+        after = None if after_imm is None and after_timeout is None else _trigger(after_imm, after_timeout)
+        callback = None if on_done is None else _native_on_done(on_done)
         if isinstance(dst, EngineAddress):
             if after is None:
-                self._native.submit_imm_to(imm, dst, callback)
+                completion = self._native.submit_imm_to(imm, dst, callback)
             else:
-                self._native.arm_imm_to(after, imm, dst, callback)
+                completion = self._native.arm_imm_to(after, imm, dst, callback)
         elif after is None:
-            self._native.submit_imm(imm, _as_descriptor(dst), callback)
+            completion = self._native.submit_imm(imm, _as_descriptor(dst), callback)
         else:
-            self._native.arm_imm(after, imm, _as_descriptor(dst), callback)
-        return future
+            completion = self._native.arm_imm(after, imm, _as_descriptor(dst), callback)
+        return _future(completion)
 
     # -- two-sided --------------------------------------------------------------------------
     @overload
@@ -952,12 +971,12 @@ class TransferEngine:
         ``after_imm`` and ``after_timeout``: posted by the worker once an immediate count is
         reached, as for ``submit_write``."""
         after = _trigger(after_imm, after_timeout)
-        future, callback = self._completion(on_done)
+        callback = _native_on_done(on_done)
         if after is None:
-            self._native.submit_send(_as_address(peer), bytes(data), callback)
+            completion = self._native.submit_send(_as_address(peer), bytes(data), callback)
         else:
-            self._native.arm_send(after, _as_address(peer), bytes(data), callback)
-        return future
+            completion = self._native.arm_send(after, _as_address(peer), bytes(data), callback)
+        return _future(completion)
 
     def readmit_peer(self, peer: EngineAddress | bytes) -> Readmission:
         """Lifts the fence a timed-out request put on ``peer`` (nothing to do if there is none).
@@ -1061,9 +1080,7 @@ class TransferEngine:
         """Future form of ``set_imm_count_expected``. ``cancel()`` on the Future (also through
         ``asyncio.wrap_future`` when the awaiting task is cancelled) removes the expectation."""
         native = self._native
-        future = ExpectationFuture(lambda: native.remove_imm_count(imm))
-        native.set_imm_count_expected(imm, count, future.settle)
-        return future
+        return ExpectationFuture(native.expect_imm_count(imm, count), lambda: native.remove_imm_count(imm))
 
     def remove_imm_count(self, imm: int) -> int:
         """Cancels the expectation on ``imm`` (it will not fire) and returns its current count."""
@@ -1117,12 +1134,3 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def _completion(self, on_done: OnDone | None) -> tuple[Future[None] | None, OnDone]:
-        if on_done is not None and not callable(on_done):
-            raise InvalidArgumentError(
-                f"on_done must be callable (called with None or the error), not {_kind_of(on_done)}"
-            )
-        if on_done is not None:
-            return None, guarded(on_done)
-        return completion_future()
