@@ -386,10 +386,8 @@ mod tests {
         assert_eq!(seen.lock().len(), 3);
     }
 
-    #[test]
-    fn wait_times_out_then_succeeds_and_consumes() {
-        let t = Arc::new(ImmCounterTable::new());
-        assert!(matches!(t.wait(9, 1, Duration::from_millis(20)), Err(FabricError::Timeout(_))));
+    /// 1000 arrivals of immediate 9 from another thread, waited for at once, then consumed.
+    fn wait_for_a_thousand(t: &Arc<ImmCounterTable>) {
         let t2 = t.clone();
         let adder = std::thread::spawn(move || {
             for _ in 0..1000 {
@@ -402,21 +400,20 @@ mod tests {
     }
 
     #[test]
+    fn wait_times_out_then_succeeds_and_consumes() {
+        let t = Arc::new(ImmCounterTable::new());
+        assert!(matches!(t.wait(9, 1, Duration::from_millis(20)), Err(FabricError::Timeout(_))));
+        wait_for_a_thousand(&t);
+    }
+
+    #[test]
     fn polling_waits_see_arrivals_stay_bounded_and_end_on_close() {
         // Polling far longer than any wait here: the deadline, not the polling, must end it.
         let t = Arc::new(ImmCounterTable::with_wait_spin(Duration::from_secs(10)));
         let started = Instant::now();
         assert!(matches!(t.wait(9, 1, Duration::from_millis(20)), Err(FabricError::Timeout(_))));
         assert!(started.elapsed() < Duration::from_secs(5));
-        let t2 = t.clone();
-        let adder = std::thread::spawn(move || {
-            for _ in 0..1000 {
-                t2.add_batch(&[(9, 1)]);
-            }
-        });
-        t.wait(9, 1000, Duration::from_secs(10)).unwrap();
-        adder.join().unwrap();
-        assert_eq!(t.value(9), 0);
+        wait_for_a_thousand(&t);
         let t3 = t.clone();
         let closer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
