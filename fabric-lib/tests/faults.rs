@@ -83,6 +83,11 @@ fn unregister_races_writes(provider: &str) {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(!a.is_stopped(), "the worker survived");
+    // A writer's completion (transmit, the default off tcp) may come before the receiver's
+    // provider copied the bytes into `dst`: stop the receiver before its memory is freed (locals
+    // drop in reverse order, which would free `dst` first).
+    drop(b);
+    drop(dst);
 }
 
 #[test]
