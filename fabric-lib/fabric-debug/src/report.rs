@@ -97,6 +97,25 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     s[rank.clamp(1, s.len()) - 1]
 }
 
+/// The table of a throughput test (writes or reads), empty when it did not run.
+fn throughput_table(rows: &[Throughput], size: &str, ops: &str) -> String {
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut out = format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", size, "window", ops, "GB/s", "Gbps");
+    for t in rows {
+        out += &format!(
+            "{:>10} {:>7} {:>9} {:>10.3} {:>10.2}\n",
+            format_size(t.size),
+            t.window,
+            t.writes_per_rep,
+            t.gbytes_per_s,
+            t.gbits_per_s
+        );
+    }
+    out
+}
+
 impl Report {
     /// The human-readable form.
     pub fn table(&self) -> String {
@@ -121,32 +140,8 @@ impl Report {
             out += &format!(", {} staged requests, {} bounced", m.staged_requests, format_size(m.bounced_bytes));
         }
         out += "\n";
-        if !self.throughput.is_empty() {
-            out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "size", "window", "writes", "GB/s", "Gbps");
-            for t in &self.throughput {
-                out += &format!(
-                    "{:>10} {:>7} {:>9} {:>10.3} {:>10.2}\n",
-                    format_size(t.size),
-                    t.window,
-                    t.writes_per_rep,
-                    t.gbytes_per_s,
-                    t.gbits_per_s
-                );
-            }
-        }
-        if !self.read_throughput.is_empty() {
-            out += &format!("\n{:>10} {:>7} {:>9} {:>10} {:>10}\n", "read size", "window", "reads", "GB/s", "Gbps");
-            for t in &self.read_throughput {
-                out += &format!(
-                    "{:>10} {:>7} {:>9} {:>10.3} {:>10.2}\n",
-                    format_size(t.size),
-                    t.window,
-                    t.writes_per_rep,
-                    t.gbytes_per_s,
-                    t.gbits_per_s
-                );
-            }
-        }
+        out += &throughput_table(&self.throughput, "size", "writes");
+        out += &throughput_table(&self.read_throughput, "read size", "reads");
         if !self.paged.is_empty() {
             out += &format!(
                 "\n{:>10} {:>7} {:>10} {:>10}  per domain Gbps (share)\n",
