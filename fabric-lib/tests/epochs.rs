@@ -20,6 +20,8 @@ const RECEIVER_ENV: &str = "FABRIC_LIB_EPOCH_RECEIVER";
 const REQUESTS: u32 = 100;
 const FIRST_IMM: u32 = 1000;
 const BOUND: Duration = Duration::from_secs(30);
+/// Both sides' buffer: the largest write.
+const BUFFER: u64 = 1 << 20;
 
 fn engine(provider: &str, domains: &[&str], transfer_timeout: Duration) -> TransferEngine {
     let config = EngineConfig {
@@ -43,7 +45,7 @@ fn epoch_receiver_process() {
     let provider = words.next().expect("a provider");
     let domains: Vec<&str> = words.collect();
     let e = engine(provider, &domains, Duration::from_secs(10));
-    let mut buf = vec![0u8; 1 << 20];
+    let mut buf = vec![0u8; BUFFER as usize];
     // SAFETY: `buf` outlives the engine (dropped at the end of this function, after `e`).
     let (_, desc) = unsafe { e.register_memory(buf.as_mut_ptr(), buf.len(), MemoryKind::Host) }.unwrap();
     println!("address {}", e.main_address().to_hex());
@@ -168,14 +170,15 @@ fn write(
     dst: &MrDescriptor,
     imm: u32,
     domain: usize,
+    len: u64,
 ) -> mpsc::Receiver<fabric_lib::Result<()>> {
     let (tx, rx) = mpsc::channel();
     let req = WriteRequest {
         src,
         src_offset: 0,
-        len: 4096,
+        len,
         dst,
-        dst_offset: u64::from(imm % 64) * 4096,
+        dst_offset: u64::from(imm) % (BUFFER / len) * len,
         imm: Some(imm),
         domains: DomainChoice::Pinned(domain),
     };
@@ -183,23 +186,24 @@ fn write(
     rx
 }
 
-/// Returns how many deliveries the receiver refused as stale.
-fn timed_out_requests_count_once(provider: &str, domains: &[&str], domain: usize) -> u64 {
+/// Returns how many deliveries the receiver refused as stale. `len` is the size of each of the
+/// timed-out writes.
+fn timed_out_requests_count_once(provider: &str, domains: &[&str], domain: usize, len: u64) -> u64 {
     let mut receiver = Receiver::start(provider, domains);
     let transfer_timeout = Duration::from_secs(2);
     let writer = Arc::new(engine(provider, domains, transfer_timeout));
-    let mut src = vec![7u8; 1 << 20];
+    let mut src = vec![7u8; BUFFER as usize];
     // SAFETY: `src` outlives the writer (dropped at the end of the function, after it).
     let (h, _) = unsafe { writer.register_memory(src.as_mut_ptr(), src.len(), MemoryKind::Host) }.unwrap();
     let dst = receiver.descriptor.clone();
     // Connect every domain first, so the handshake (domain 0) does not wait for a connection.
     let warm_up = writer.num_domains() as u64;
     for d in 0..writer.num_domains() {
-        write(&writer, h, &dst, 1, d).recv_timeout(BOUND).unwrap().expect("the receiver is reachable");
+        write(&writer, h, &dst, 1, d, 4096).recv_timeout(BOUND).unwrap().expect("the receiver is reachable");
     }
 
     receiver.stop();
-    let pending: Vec<_> = (0..REQUESTS).map(|i| write(&writer, h, &dst, FIRST_IMM + i, domain)).collect();
+    let pending: Vec<_> = (0..REQUESTS).map(|i| write(&writer, h, &dst, FIRST_IMM + i, domain, len)).collect();
     for (i, rx) in pending.iter().enumerate() {
         match rx.recv_timeout(BOUND).expect("every request settles within its bound") {
             Err(FabricError::Timeout(_) | FabricError::PeerFenced(_)) => {}
@@ -233,7 +237,10 @@ fn timed_out_requests_count_once(provider: &str, domains: &[&str], domain: usize
         assert!(n <= 1, "{provider}: immediate {imm} counted {n} times before the retry");
         if n == 0 {
             resent += 1;
-            write(&writer, h, &dst, imm, domain).recv_timeout(BOUND).unwrap().expect("the re-admitted peer is served");
+            write(&writer, h, &dst, imm, domain, len)
+                .recv_timeout(BOUND)
+                .unwrap()
+                .expect("the re-admitted peer is served");
         }
         expected.insert(imm, 1);
     }
@@ -257,23 +264,25 @@ fn timed_out_requests_count_once(provider: &str, domains: &[&str], domain: usize
 
 #[test]
 fn tcp_timed_out_requests_count_once() {
-    timed_out_requests_count_once("tcp", &[], 0);
+    timed_out_requests_count_once("tcp", &[], 0, 4096);
 }
 
-/// Writes on the second domain, handshake on the first: the resumed receiver reads the
-/// handshake before the writes it was stopped with, so they arrive after their epoch ended.
+/// Writes on the second domain, handshake on the first. The 100 MiB of writes cannot all wait
+/// in the kernel's socket buffers while the receiver sleeps: most are still queued at the
+/// writer when the handshake, already in the receiver's socket, ends their epoch, so they
+/// arrive late whichever domain the resumed receiver polls first.
 #[test]
 fn tcp_two_domains_late_deliveries_are_dropped() {
-    let stale = timed_out_requests_count_once("tcp", &["lo", "lo"], 1);
+    let stale = timed_out_requests_count_once("tcp", &["lo", "lo"], 1, BUFFER);
     assert!(stale > 0, "the writes on the second domain reached the receiver after the handshake");
 }
 
 #[test]
 fn shm_timed_out_requests_count_once() {
-    timed_out_requests_count_once("shm", &[], 0);
+    timed_out_requests_count_once("shm", &[], 0, 4096);
 }
 
 #[test]
 fn udp_rxd_timed_out_requests_count_once() {
-    timed_out_requests_count_once("udp;ofi_rxd", &[], 0);
+    timed_out_requests_count_once("udp;ofi_rxd", &[], 0, 4096);
 }
