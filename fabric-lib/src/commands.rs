@@ -22,9 +22,9 @@ pub(crate) const SCRATCH_REGION: u64 = 0;
 /// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
 /// peer's endpoint address and (key, remote base).
 pub(crate) struct Target {
-    /// Inline for up to two domains: one is built for every request.
+    /// Inline for up to two domains: one is built for every request (every scatter target).
     pub addresses: smallvec::SmallVec<[Vec<u8>; 2]>,
-    pub keys: Vec<(u64, u64)>,
+    pub keys: smallvec::SmallVec<[(u64, u64); 2]>,
 }
 
 /// A validated, planned request of one or more writes.

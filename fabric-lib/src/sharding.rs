@@ -40,16 +40,20 @@ pub enum DomainChoice {
     Pinned(usize),
 }
 
+/// (domain, offset, length) pieces of one contiguous transfer; inline for up to 4 (no heap
+/// allocation for the usual request or scatter target).
+pub type Pieces = smallvec::SmallVec<[(usize, u64, u64); 4]>;
+
 /// Splits `len` bytes over `k` domains starting at `start`: (domain, offset, len) pieces, each a
 /// multiple of [`SHARD_ALIGN`] except the last. Writes under `min_shard_len` stay whole.
-pub fn split_bytes(len: u64, n_domains: usize, k: usize, start: usize, min_shard_len: u64) -> Vec<(usize, u64, u64)> {
+pub fn split_bytes(len: u64, n_domains: usize, k: usize, start: usize, min_shard_len: u64) -> Pieces {
     let n = n_domains.max(1);
     let k = k.clamp(1, n) as u64;
     if k == 1 || len < min_shard_len.max(2 * SHARD_ALIGN) {
-        return vec![(start % n, 0, len)];
+        return smallvec::smallvec![(start % n, 0, len)];
     }
     let per = len.div_ceil(k).div_ceil(SHARD_ALIGN) * SHARD_ALIGN;
-    let mut out = Vec::with_capacity(k as usize);
+    let mut out = Pieces::with_capacity(k as usize);
     let mut offset = 0;
     while offset < len {
         let piece = per.min(len - offset);
@@ -129,9 +133,9 @@ mod tests {
 
     #[test]
     fn small_or_unsharded_writes_stay_whole() {
-        assert_eq!(split_bytes(1000, 4, 4, 6, 0), vec![(2, 0, 1000)]);
-        assert_eq!(split_bytes(1 << 20, 4, 1, 1, 0), vec![(1, 0, 1 << 20)]);
-        assert_eq!(split_bytes(0, 2, 2, 0, 0), vec![(0, 0, 0)]);
+        assert_eq!(split_bytes(1000, 4, 4, 6, 0).to_vec(), vec![(2, 0, 1000)]);
+        assert_eq!(split_bytes(1 << 20, 4, 1, 1, 0).to_vec(), vec![(1, 0, 1 << 20)]);
+        assert_eq!(split_bytes(0, 2, 2, 0, 0).to_vec(), vec![(0, 0, 0)]);
     }
 
     #[test]

@@ -674,7 +674,7 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
-        let target = Target { addresses: smallvec::smallvec![peer], keys: Vec::new() };
+        let target = Target { addresses: smallvec::smallvec![peer], keys: smallvec::SmallVec::new() };
         if let Some(e) = self.fence_error(std::iter::once(&target)) {
             return self.finish(id, Err(e));
         }

@@ -120,6 +120,10 @@ pub struct DispatchSample {
     pub remote_peers: u32,
     /// Counts seen → every remote source's records arrived (flags raised).
     pub total_ns: u64,
+    /// When the first count message was handed to the engine (to time from the kernel's signal).
+    pub counts_first_write_at: Option<Instant>,
+    /// When the first data write was handed to the engine.
+    pub data_first_write_at: Option<Instant>,
 }
 
 /// One combine's costs as the proxy saw them (nanoseconds).
@@ -132,6 +136,8 @@ pub struct CombineSample {
     /// Writes posted (one per remote rank).
     pub writes: u32,
     pub remote_peers: u32,
+    /// When the first write was handed to the engine (to time from the kernel's signal).
+    pub first_write_at: Option<Instant>,
 }
 
 /// Samples kept (the most recent calls).
@@ -426,6 +432,7 @@ impl State {
             d.known[me] = true;
             d.sample.counts_post_ns = seen.elapsed().as_nanos() as u64;
             d.sample.counts_signal_to_first_write_ns = first.map_or(0, |t: Instant| (t - seen).as_nanos() as u64);
+            d.sample.counts_first_write_at = first;
             d.sample.count_writes = (w - 1) as u32;
             d.sample.remote_peers = self.remote.len() as u32;
             progressed = true;
@@ -472,6 +479,7 @@ impl State {
             self.dispatch.sample.data_writes += targets.len() as u32;
             let sample = &mut self.dispatch.sample;
             sample.signal_to_first_write_ns = first.map_or(0, |t| (t - signal).as_nanos() as u64);
+            sample.data_first_write_at = first;
             sample.post_per_peer_ns = signal.elapsed().as_nanos() as u64 / self.remote.len().max(1) as u64;
             self.dispatch.private_posted = true;
             progressed = true;
@@ -594,6 +602,7 @@ impl State {
                     post_per_peer_ns: signal.elapsed().as_nanos() as u64 / u64::from(peers.max(1)),
                     writes: peers,
                     remote_peers: peers,
+                    first_write_at: first,
                 },
             );
             self.combine.posted = true;

@@ -89,7 +89,11 @@ impl TransferEngine {
     /// [`TransferEngine::route`], with host memory on both sides taking the same-host path only
     /// if `host_to_host` (reads between host regions always take the provider).
     pub(super) fn route_via(&self, src: MrHandle, dst: &MrDescriptor, host_to_host: bool) -> Result<Route> {
-        let src = self.region_info(src)?;
+        self.route_from(self.region_info(src)?, dst, host_to_host)
+    }
+
+    /// [`TransferEngine::route_via`] for a source already looked up (a scatter's many targets).
+    pub(super) fn route_from(&self, src: super::RegionInfo, dst: &MrDescriptor, host_to_host: bool) -> Result<Route> {
         let gpu = src.kind != MemoryKind::Host || dst.kind != MemoryKind::Host;
         let same_host_path = gpu || host_to_host;
         if !same_host_path || !dst.owner.is_same_host() || self.config.force_network {

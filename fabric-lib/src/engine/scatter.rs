@@ -33,11 +33,11 @@ impl TransferEngine {
         if targets.is_empty() {
             return Err(FabricError::InvalidArgument("scatter with no targets".into()));
         }
-        let src_len = self.region_len(src)?;
+        let src_info = self.region_info(src)?;
         let members = group.map(|g| self.group(g)).transpose()?;
         let mut routes = Vec::with_capacity(targets.len());
         for (p, t) in targets.iter().enumerate() {
-            check_range("source", src_len, t.src_offset, t.len)?;
+            check_range("source", src_info.len, t.src_offset, t.len)?;
             t.dst.check_range(t.dst_offset, t.len)?;
             if let Some(members) = &members {
                 if !members.contains(&t.dst.owner) {
@@ -48,7 +48,7 @@ impl TransferEngine {
             }
             // Host memory on both sides takes the provider (a scatter never uses
             // `same_host_host_memory`).
-            routes.push(self.route_via(src, t.dst, false)?);
+            routes.push(self.route_from(src_info, t.dst, false)?);
         }
         if routes.iter().all(|r| matches!(r, Route::Network(_))) {
             let network = targets.iter().zip(routes).filter_map(|(t, r)| match r {
@@ -136,7 +136,7 @@ impl TransferEngine {
         for (p, (t, target)) in targets.into_iter().enumerate() {
             resolved.push(target);
             let pieces = match sharding {
-                ScatterSharding::ByPeer => vec![((start + p) % n, 0, t.len)],
+                ScatterSharding::ByPeer => smallvec::smallvec![((start + p) % n, 0, t.len)],
                 ScatterSharding::ByBytes => split_bytes(t.len, n, n, start + p, self.config().shard_min_bytes),
             };
             shards.extend(pieces.into_iter().map(|(domain, off, len)| Shard {

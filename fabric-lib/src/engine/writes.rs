@@ -52,7 +52,7 @@ impl TransferEngine {
         match choice {
             DomainChoice::Pinned(d) => vec![(d, 0, len)],
             DomainChoice::Shard(k) => {
-                split_bytes(len, self.num_domains(), k, self.rotate(1), self.config().shard_min_bytes)
+                split_bytes(len, self.num_domains(), k, self.rotate(1), self.config().shard_min_bytes).into_vec()
             }
         }
     }

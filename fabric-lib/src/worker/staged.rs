@@ -350,7 +350,7 @@ impl Worker {
             chunks,
             next: 0,
             dests,
-            keys: target.keys.clone(),
+            keys: target.keys.to_vec(),
             landing,
             tasks: Vec::new(),
             dead: false,

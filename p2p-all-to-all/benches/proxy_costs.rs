@@ -1,0 +1,163 @@
+//! The CPU proxy's own costs, without a GPU: every rank is a thread whose stand-in kernels
+//! publish counts, pack records and rows in host memory and raise the proxy block's words (see
+//! `tests/host_ranks`), and each rank's proxy carries the remote traffic on its own engine. For
+//! each world size it reports, over every rank and call (the first tenth left out as warm-up):
+//!
+//! - kernel signal → first write handed to the engine, for the count messages (`dseq`), the
+//!   dispatch data (`ddone`) and the combine (`cdone`): the proxy noticing the word included;
+//! - time spent posting per remote rank (the private dispatch writes, the combine writes);
+//! - writes per remote rank per call (dispatch data, combine) and count messages per call;
+//! - a dispatch from counts seen to every remote source's flag raised.
+//!
+//! Every received byte is checked, as in the protocol tests. With `nvlink = 1` every other
+//! rank is remote.
+//!
+//!     cargo bench -p p2p-all-to-all --bench proxy_costs -- [--provider tcp] [--worlds 2,4,8]
+//!         [--calls 300] [--proxy-cpus 2,3,4,5] [--json-out proxy_costs.json]
+#[path = "../tests/host_ranks/mod.rs"]
+mod host_ranks;
+
+use std::time::{Duration, Instant};
+
+use host_ranks::{run, Scenario};
+
+struct Args {
+    provider: String,
+    worlds: Vec<usize>,
+    calls: u64,
+    private_tokens: usize,
+    proxy_cpus: Option<Vec<usize>>,
+    json_out: Option<String>,
+}
+
+fn list(value: &str, flag: &str) -> Vec<usize> {
+    value.split(',').map(|v| v.trim().parse().unwrap_or_else(|_| panic!("{flag}: a list of numbers"))).collect()
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        provider: "tcp".into(),
+        worlds: vec![2, 4, 8],
+        calls: 300,
+        private_tokens: 8,
+        proxy_cpus: None,
+        json_out: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--bench" {
+            continue; // cargo bench passes it to harness-less benches
+        }
+        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--provider" => args.provider = value,
+            "--worlds" => args.worlds = list(&value, "--worlds"),
+            "--calls" => args.calls = value.parse().expect("--calls: a number"),
+            "--private-tokens" => args.private_tokens = value.parse().expect("--private-tokens: a number"),
+            "--proxy-cpus" => args.proxy_cpus = Some(list(&value, "--proxy-cpus")),
+            "--json-out" => args.json_out = Some(value),
+            other => panic!(
+                "unknown flag {other} (--provider, --worlds, --calls, --private-tokens, --proxy-cpus, --json-out)"
+            ),
+        }
+    }
+    args
+}
+
+/// p50 and p99 of `values` (µs), and how many.
+fn summary(mut values: Vec<f64>) -> (f64, f64, usize) {
+    if values.is_empty() {
+        return (f64::NAN, f64::NAN, 0);
+    }
+    values.sort_by(f64::total_cmp);
+    let at = |p: f64| values[((values.len() - 1) as f64 * p).round() as usize];
+    (at(0.5), at(0.99), values.len())
+}
+
+fn since(from: Instant, to: Option<Instant>) -> Option<f64> {
+    to.map(|t| t.saturating_duration_since(from).as_nanos() as f64 / 1000.0)
+}
+
+fn main() {
+    let args = parse_args();
+    println!(
+        "{}: proxy costs per world size, {} calls, private quota {}",
+        args.provider, args.calls, args.private_tokens
+    );
+    println!("{:<48} {:>9} {:>9} {:>8}", "", "p50", "p99", "samples");
+    let mut worlds_json = Vec::new();
+    for &world in &args.worlds {
+        let provider: &'static str = Box::leak(args.provider.clone().into_boxed_str());
+        let sc = Scenario {
+            provider,
+            world,
+            nvlink: 1,
+            private_tokens: args.private_tokens,
+            calls: args.calls,
+            skew: false,
+            dies: None,
+            fence: false,
+            scatter: true,
+            proxy_cpus: args.proxy_cpus.as_ref().map(|c| (0..world).map(|r| c[r % c.len()]).collect()),
+            // As the all-to-all runs it: the proxy spins through the gaps between calls.
+            proxy_idle_spin: Some(Duration::from_millis(50)),
+        };
+        let Some(results) = run(sc) else {
+            println!("provider {provider} is not available here");
+            return;
+        };
+        let warm = (args.calls / 10) as usize;
+        let mut metrics: Vec<(&str, Vec<f64>)> = [
+            "counts: signal -> first write (µs)",
+            "dispatch data: signal -> first write (µs)",
+            "combine: signal -> first write (µs)",
+            "dispatch: posting per remote rank (µs)",
+            "combine: posting per remote rank (µs)",
+            "dispatch: counts seen -> flags raised (µs)",
+            "dispatch data writes per remote rank",
+            "combine writes per remote rank",
+        ]
+        .into_iter()
+        .map(|name| (name, Vec::new()))
+        .collect();
+        for (rank, result) in results.into_iter().enumerate() {
+            let outcome = result.unwrap_or_else(|e| panic!("world {world}, rank {rank}: {e}"));
+            let calls = outcome.raised.iter().zip(&outcome.dispatch).zip(&outcome.combine).skip(warm);
+            for ((raised, d), c) in calls {
+                let remote = f64::from(d.remote_peers.max(1));
+                let values = [
+                    since(raised.dseq, d.counts_first_write_at),
+                    since(raised.ddone, d.data_first_write_at),
+                    since(raised.cdone, c.first_write_at),
+                    Some(d.post_per_peer_ns as f64 / 1000.0),
+                    Some(c.post_per_peer_ns as f64 / 1000.0),
+                    Some(d.total_ns as f64 / 1000.0),
+                    Some(f64::from(d.data_writes) / remote),
+                    Some(f64::from(c.writes) / f64::from(c.remote_peers.max(1))),
+                ];
+                for ((_, column), v) in metrics.iter_mut().zip(values) {
+                    column.extend(v);
+                }
+            }
+        }
+        println!("world {world} ({} remote ranks each)", world - 1);
+        let mut rows = Vec::new();
+        for (name, values) in metrics {
+            let (p50, p99, n) = summary(values);
+            println!("  {name:<46} {p50:>9.3} {p99:>9.3} {n:>8}");
+            rows.push(format!("{{\"metric\": \"{name}\", \"p50\": {p50:.4}, \"p99\": {p99:.4}, \"samples\": {n}}}"));
+        }
+        worlds_json.push(format!("{{\"world\": {world}, \"metrics\": [{}]}}", rows.join(", ")));
+    }
+    if let Some(path) = &args.json_out {
+        let json = format!(
+            "{{\"provider\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \"worlds\": [{}]}}\n",
+            args.provider,
+            args.calls,
+            args.private_tokens,
+            worlds_json.join(", ")
+        );
+        std::fs::write(path, json).expect("writing --json-out");
+        println!("wrote {path}");
+    }
+}
