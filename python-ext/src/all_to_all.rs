@@ -26,94 +26,54 @@ impl PyErrorClass for A2aError {
     }
 }
 
-// The halves' arguments, read by attribute name from the frozen dataclasses of the same names in
-// `fabric_lib.all_to_all` (one object per half, shared by the separate and the fused calls).
-
-/// `fabric_lib.all_to_all.DispatchSendArgs`.
-#[derive(FromPyObject)]
-pub struct DispatchSendArgs {
-    x: u64,
-    x_stride: u64,
-    scales: u64,
-    scales_stride: u64,
-    indices: u64,
-    indices_stride: u64,
-    indices_are_i64: bool,
-    num_tokens: usize,
-    num_tokens_ptr: u64,
-    publish_host_counts: bool,
-}
-
-impl From<DispatchSendArgs> for DispatchSend {
-    fn from(a: DispatchSendArgs) -> Self {
-        let DispatchSendArgs {
-            x,
-            x_stride,
-            scales,
-            scales_stride,
-            indices,
-            indices_stride,
-            indices_are_i64,
-            num_tokens,
-            num_tokens_ptr,
-            publish_host_counts,
-        } = a;
-        DispatchSend {
-            x,
-            x_stride,
-            scales,
-            scales_stride,
-            indices,
-            indices_stride,
-            indices_are_i64,
-            num_tokens,
-            num_tokens_ptr,
-            publish_host_counts,
+/// Declares a half's arguments, read by attribute name from the frozen dataclass of the same name
+/// in `fabric_lib.all_to_all` (one object per half, shared by the separate and the fused calls),
+/// and their conversion into the `p2p_all_to_all` struct with the same fields.
+macro_rules! half_args {
+    ($(#[$doc:meta])* $args:ident => $half:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+        $(#[$doc])*
+        #[derive(FromPyObject)]
+        pub struct $args {
+            $($field: $ty),*
         }
+
+        impl From<$args> for $half {
+            fn from(args: $args) -> Self {
+                $half { $($field: args.$field),* }
+            }
+        }
+    };
+}
+
+half_args! {
+    /// `fabric_lib.all_to_all.DispatchSendArgs`.
+    DispatchSendArgs => DispatchSend {
+        x: u64,
+        x_stride: u64,
+        scales: u64,
+        scales_stride: u64,
+        indices: u64,
+        indices_stride: u64,
+        indices_are_i64: bool,
+        num_tokens: usize,
+        num_tokens_ptr: u64,
+        publish_host_counts: bool,
     }
 }
 
-/// `fabric_lib.all_to_all.DispatchRecvArgs`.
-#[derive(FromPyObject)]
-pub struct DispatchRecvArgs {
-    out_x: u64,
-    out_scales: u64,
-    out_counts: u64,
+half_args! {
+    /// `fabric_lib.all_to_all.DispatchRecvArgs`.
+    DispatchRecvArgs => DispatchRecv { out_x: u64, out_scales: u64, out_counts: u64 }
 }
 
-impl From<DispatchRecvArgs> for DispatchRecv {
-    fn from(DispatchRecvArgs { out_x, out_scales, out_counts }: DispatchRecvArgs) -> Self {
-        DispatchRecv { out_x, out_scales, out_counts }
-    }
+half_args! {
+    /// `fabric_lib.all_to_all.CombineSendArgs`.
+    CombineSendArgs => CombineSend { expert_out: u64, expert_out_stride: u64, weights: u64, weights_stride: u64 }
 }
 
-/// `fabric_lib.all_to_all.CombineSendArgs`.
-#[derive(FromPyObject)]
-pub struct CombineSendArgs {
-    expert_out: u64,
-    expert_out_stride: u64,
-    weights: u64,
-    weights_stride: u64,
-}
-
-impl From<CombineSendArgs> for CombineSend {
-    fn from(CombineSendArgs { expert_out, expert_out_stride, weights, weights_stride }: CombineSendArgs) -> Self {
-        CombineSend { expert_out, expert_out_stride, weights, weights_stride }
-    }
-}
-
-/// `fabric_lib.all_to_all.CombineRecvArgs`.
-#[derive(FromPyObject)]
-pub struct CombineRecvArgs {
-    out: u64,
-    out_stride: u64,
-    num_rows: usize,
-}
-
-impl From<CombineRecvArgs> for CombineRecv {
-    fn from(CombineRecvArgs { out, out_stride, num_rows }: CombineRecvArgs) -> Self {
-        CombineRecv { out, out_stride, num_rows }
-    }
+half_args! {
+    /// `fabric_lib.all_to_all.CombineRecvArgs`.
+    CombineRecvArgs => CombineRecv { out: u64, out_stride: u64, num_rows: usize }
 }
 
 /// Native all-to-all; use `fabric_lib.all_to_all.AllToAll`, which wraps it.

@@ -2,8 +2,9 @@
 //! blocks, and forwards to `fabric_lib::TransferEngine`.
 
 use fabric_lib::{
-    DomainChoice, EngineConfig, MemoryKind, MrHandle, PagedReadRequest, PagedWriteRequest, PeerGroup, ProviderSpec,
-    ReadRequest, RegisterOptions, ScatterSharding, ScatterTarget, TransferEngine, Trigger, WatcherRunsOn, WriteRequest,
+    DomainChoice, EngineConfig, FabricError, MemoryKind, MrHandle, OnDone, PagedReadRequest, PagedWriteRequest,
+    PeerGroup, ProviderSpec, ReadRequest, RegisterOptions, ScatterSharding, ScatterTarget, TransferEngine, Trigger,
+    WatcherRunsOn, WriteRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -34,12 +35,33 @@ fn trigger(py: Python<'_>, (imm, count, timeout): (u32, u64, Option<f64>)) -> Py
     Ok(Trigger { imm, count, timeout })
 }
 
+/// The domains of a transfer from Python: `domain` pins one, None shards over up to
+/// `shard_domains`.
+fn domain_choice(domain: Option<usize>, shard_domains: usize) -> DomainChoice {
+    domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned)
+}
+
 /// Native engine; use `fabric_lib.TransferEngine`, which wraps it.
 #[pyclass(name = "TransferEngine", module = "fabric_lib._rust", frozen)]
 pub struct PyTransferEngine {
     engine: TransferEngine,
     /// How long waits on this engine's completions poll before they sleep.
     wait_spin: std::time::Duration,
+}
+
+impl PyTransferEngine {
+    /// Posts a request through `post` with the GIL released. It completes to `callback` when one
+    /// is given, else to the returned `Completion`.
+    fn post(
+        &self,
+        py: Python<'_>,
+        callback: Option<Py<PyAny>>,
+        post: impl Send + FnOnce(&TransferEngine, OnDone) -> Result<(), FabricError>,
+    ) -> PyResult<Option<PyCompletion>> {
+        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
+        py.detach(|| post(&self.engine, on_done)).py(py)?;
+        Ok(completion)
+    }
 }
 
 #[pymethods]
@@ -172,11 +194,9 @@ impl PyTransferEngine {
         shard_domains: usize,
     ) -> PyResult<Option<PyCompletion>> {
         let dst = &dst.0;
-        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let domains = domain_choice(domain, shard_domains);
         let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_write(&req, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_write(&req, on_done))
     }
 
     /// `submit_write` posted by the worker once `after` = (imm, count, timeout) is reached.
@@ -198,11 +218,9 @@ impl PyTransferEngine {
     ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let dst = &dst.0;
-        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let domains = domain_choice(domain, shard_domains);
         let req = WriteRequest { src: MrHandle(src), src_offset, len: length, dst, dst_offset, imm, domains };
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.arm_write(when, &req, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.arm_write(when, &req, on_done))
     }
 
     /// `submit_imm` posted by the worker once `after` is reached.
@@ -216,9 +234,7 @@ impl PyTransferEngine {
     ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let dst = &dst.0;
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.arm_imm(when, imm, dst, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.arm_imm(when, imm, dst, on_done))
     }
 
     /// `submit_imm_to` posted by the worker once `after` is reached.
@@ -232,9 +248,7 @@ impl PyTransferEngine {
     ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let peer = &peer.0;
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.arm_imm_to(when, imm, peer, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.arm_imm_to(when, imm, peer, on_done))
     }
 
     /// `submit_send` posted by the worker once `after` is reached.
@@ -248,9 +262,7 @@ impl PyTransferEngine {
     ) -> PyResult<Option<PyCompletion>> {
         let when = trigger(py, after)?;
         let peer = &peer.0;
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.arm_send(when, peer, data, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.arm_send(when, peer, data, on_done))
     }
 
     fn submit_imm(
@@ -261,9 +273,7 @@ impl PyTransferEngine {
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Option<PyCompletion>> {
         let dst = &dst.0;
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_imm(imm, dst, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_imm(imm, dst, on_done))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -296,9 +306,7 @@ impl PyTransferEngine {
             dst_offset,
             imm,
         };
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_paged_writes(&req, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_paged_writes(&req, on_done))
     }
 
     /// `domain`: None shards over up to `shard_domains` domains; an int pins one domain.
@@ -317,11 +325,9 @@ impl PyTransferEngine {
         shard_domains: usize,
     ) -> PyResult<Option<PyCompletion>> {
         let src = &src.0;
-        let domains = domain.map_or(DomainChoice::Shard(shard_domains), DomainChoice::Pinned);
+        let domains = domain_choice(domain, shard_domains);
         let req = ReadRequest { src, src_offset, len: length, dst: MrHandle(dst), dst_offset, domains };
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_read(&req, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_read(&req, on_done))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -352,9 +358,7 @@ impl PyTransferEngine {
             dst_stride,
             dst_offset,
         };
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_paged_reads(&req, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_paged_reads(&req, on_done))
     }
 
     fn submit_imm_to(
@@ -365,9 +369,7 @@ impl PyTransferEngine {
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Option<PyCompletion>> {
         let peer = &peer.0;
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_imm_to(imm, peer, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_imm_to(imm, peer, on_done))
     }
 
     fn add_peer_group(&self, py: Python<'_>, peers: Vec<PyRef<'_, PyEngineAddress>>) -> PyResult<u64> {
@@ -397,10 +399,10 @@ impl PyTransferEngine {
             })
             .collect();
         let sharding = if by_bytes { ScatterSharding::ByBytes } else { ScatterSharding::ByPeer };
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
         let group = group.map(PeerGroup);
-        py.detach(|| self.engine.submit_scatter(group, MrHandle(src), &targets, imm, sharding, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| {
+            engine.submit_scatter(group, MrHandle(src), &targets, imm, sharding, on_done)
+        })
     }
 
     fn submit_barrier(
@@ -410,9 +412,7 @@ impl PyTransferEngine {
         group: u64,
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Option<PyCompletion>> {
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_barrier(imm, PeerGroup(group), on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_barrier(imm, PeerGroup(group), on_done))
     }
 
     fn submit_send(
@@ -423,9 +423,7 @@ impl PyTransferEngine {
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Option<PyCompletion>> {
         let peer = &peer.0;
-        let (completion, on_done) = completion::request_callback(callback, self.wait_spin);
-        py.detach(|| self.engine.submit_send(peer, data, on_done)).py(py)?;
-        Ok(completion)
+        self.post(py, callback, |engine, on_done| engine.submit_send(peer, data, on_done))
     }
 
     #[pyo3(signature = (callback=None))]

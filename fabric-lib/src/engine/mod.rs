@@ -318,6 +318,7 @@ mod counters;
 mod immediates;
 mod memory;
 mod messages;
+mod pages;
 mod reads;
 mod routing;
 mod scatter;

@@ -8,6 +8,7 @@
 //! descriptor).
 use std::sync::Arc;
 
+use super::pages::{check_page_lists, check_page_range};
 use super::routing::Route;
 use super::{MrHandle, RegionInfo, TransferEngine};
 use crate::commands::{Command, Target, Transfer};
@@ -71,33 +72,12 @@ impl TransferEngine {
     /// every page index is checked against both regions before anything is posted.
     pub fn submit_paged_reads(&self, req: &PagedReadRequest<'_>, on_done: OnDone) -> Result<()> {
         let local = self.read_checks(req.dst, req.src)?;
-        if req.src_pages.len() != req.dst_pages.len() {
-            return Err(FabricError::InvalidArgument(format!(
-                "{} source pages but {} destination pages",
-                req.src_pages.len(),
-                req.dst_pages.len()
-            )));
-        }
-        if req.src_pages.is_empty() {
-            return Err(FabricError::InvalidArgument("paged read with an empty page list".into()));
-        }
-        if req.page_len == 0 {
-            return Err(FabricError::InvalidArgument("page length must be positive".into()));
-        }
+        check_page_lists("read", req.page_len, req.src_pages, req.dst_pages)?;
         if req.src_pages.len() > u32::MAX as usize {
             return Err(FabricError::InvalidArgument("too many pages for one paged read".into()));
         }
-        let page_range = |side: &str, pages: &[u32], stride: u64, offset: u64, region_len: u64| -> Result<()> {
-            let (i, max) = pages.iter().enumerate().max_by_key(|(_, p)| **p).expect("non-empty");
-            let start = u64::from(*max)
-                .checked_mul(stride)
-                .and_then(|s| s.checked_add(offset))
-                .ok_or_else(|| FabricError::InvalidArgument(format!("{side} page {max} overflows")))?;
-            check_range(side, region_len, start, req.page_len)
-                .map_err(|e| FabricError::InvalidArgument(format!("{side} page index {max} (position {i}): {e}")))
-        };
-        page_range("source", req.src_pages, req.src_stride, req.src_offset, req.src.len)?;
-        page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, local.len)?;
+        check_page_range("source", req.src_pages, req.src_stride, req.src_offset, req.page_len, req.src.len)?;
+        check_page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, req.page_len, local.len)?;
         let on_done = Notify::Callback(on_done);
         let target = match self.read_route(req.dst, req.src)? {
             Route::Network(t) => t,

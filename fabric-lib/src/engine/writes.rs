@@ -5,6 +5,7 @@
 //! however the engine cut it across domains (see [`crate::sharding`]).
 use std::sync::Arc;
 
+use super::pages::{check_page_lists, check_page_range};
 use super::routing::{Route, StagedRoute};
 use super::{MrHandle, TransferEngine};
 use crate::commands::{Command, SameHostTransfer, StagedTransfer, Transfer, SCRATCH_REGION};
@@ -96,30 +97,9 @@ impl TransferEngine {
     pub fn submit_paged_writes(&self, req: &PagedWriteRequest<'_>, on_done: OnDone) -> Result<()> {
         let src_len = self.region_len(req.src)?;
         let route = self.route(req.src, req.dst)?;
-        if req.src_pages.len() != req.dst_pages.len() {
-            return Err(FabricError::InvalidArgument(format!(
-                "{} source pages but {} destination pages",
-                req.src_pages.len(),
-                req.dst_pages.len()
-            )));
-        }
-        if req.src_pages.is_empty() {
-            return Err(FabricError::InvalidArgument("paged write with an empty page list".into()));
-        }
-        if req.page_len == 0 {
-            return Err(FabricError::InvalidArgument("page length must be positive".into()));
-        }
-        let page_range = |side: &str, pages: &[u32], stride: u64, offset: u64, region_len: u64| -> Result<()> {
-            let (i, max) = pages.iter().enumerate().max_by_key(|(_, p)| **p).expect("non-empty");
-            let start = u64::from(*max)
-                .checked_mul(stride)
-                .and_then(|s| s.checked_add(offset))
-                .ok_or_else(|| FabricError::InvalidArgument(format!("{side} page {max} overflows")))?;
-            check_range(side, region_len, start, req.page_len)
-                .map_err(|e| FabricError::InvalidArgument(format!("{side} page index {max} (position {i}): {e}")))
-        };
-        page_range("source", req.src_pages, req.src_stride, req.src_offset, src_len)?;
-        page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, req.dst.len)?;
+        check_page_lists("write", req.page_len, req.src_pages, req.dst_pages)?;
+        check_page_range("source", req.src_pages, req.src_stride, req.src_offset, req.page_len, src_len)?;
+        check_page_range("destination", req.dst_pages, req.dst_stride, req.dst_offset, req.page_len, req.dst.len)?;
         let target = match route {
             Route::Network(t) => t,
             Route::SameHost(local) => {
@@ -135,7 +115,8 @@ impl TransferEngine {
                     dst_stride: req.dst_stride,
                     dst_offset: req.dst_offset,
                 });
-                return self.submit_same_host(req.src, req.dst, local, copy, req.imm, Notify::Callback(on_done));
+                let on_done = Notify::Callback(on_done);
+                return self.command(self.plan_same_host(req.src, req.dst, local, copy, req.imm, on_done)?);
             }
             Route::Staged(staged) => {
                 let pieces = req
@@ -179,18 +160,6 @@ impl TransferEngine {
             deferred,
             on_done: Notify::Callback(on_done),
         })
-    }
-
-    fn submit_same_host(
-        &self,
-        src: MrHandle,
-        dst: &MrDescriptor,
-        local: SameHostDst,
-        copy: SameHostCopy,
-        imm: Option<u32>,
-        on_done: Notify,
-    ) -> Result<()> {
-        self.command(self.plan_same_host(src, dst, local, copy, imm, on_done)?)
     }
 
     pub(super) fn plan_same_host(
