@@ -149,7 +149,14 @@ fn main() {
     if let Some(path) = &args.json_out {
         let json =
             format!("{{\"provider\": \"{}\", \"window\": {WINDOW}, \"rows\": [{}]}}\n", args.provider, rows.join(", "));
-        std::fs::write(path, json).expect("writing --json-out");
+        if let Err(e) = std::fs::write(path, json) {
+            // cargo bench runs a bench in its crate's folder: relative paths start there.
+            eprintln!(
+                "writing {path}: {e} (a relative path is taken from {})",
+                std::env::current_dir().unwrap().display()
+            );
+            std::process::exit(1);
+        }
         println!("wrote {path}");
     }
     drop(writer);

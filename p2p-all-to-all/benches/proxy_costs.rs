@@ -157,7 +157,14 @@ fn main() {
             args.private_tokens,
             worlds_json.join(", ")
         );
-        std::fs::write(path, json).expect("writing --json-out");
+        if let Err(e) = std::fs::write(path, json) {
+            // cargo bench runs a bench in its crate's folder: relative paths start there.
+            eprintln!(
+                "writing {path}: {e} (a relative path is taken from {})",
+                std::env::current_dir().unwrap().display()
+            );
+            std::process::exit(1);
+        }
         println!("wrote {path}");
     }
 }

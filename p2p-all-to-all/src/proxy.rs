@@ -79,8 +79,8 @@ pub struct ProxyConfig {
     pub cpu: Option<usize>,
     /// After this long without work the thread sleeps briefly between polls.
     pub idle_spin: Duration,
-    /// Post the private writes of a dispatch as one scatter (one request for every remote rank)
-    /// rather than one write each: host-memory buffers (the engine's scatter takes host memory).
+    /// Post the private writes of a dispatch, and a combine's writes, as one scatter (one
+    /// request for every remote rank) rather than one write each.
     pub scatter_data: bool,
     /// Called before raising a receive flag, where a counted immediate does not yet mean the
     /// bytes are in place: `shm` with FI_HMEM counts it while the device copy is still queued
@@ -581,18 +581,32 @@ impl State {
             let signal = Instant::now();
             let lay = self.cfg.layout;
             let c = &self.counts[dp];
-            let mut first = None;
-            for &s in &self.remote {
-                let rows = c.rows(s, me);
-                let tag = imm(ImmKind::Combine, cn as u32, me);
-                if rows > 0 {
+            let tag = imm(ImmKind::Combine, cn as u32, me);
+            // Every remote rank hears from this one: its rows, or the immediate alone.
+            let targets: Vec<_> = self
+                .remote
+                .iter()
+                .map(|&s| {
+                    let rows = c.rows(s, me);
                     let src = lay.csend_offset(cp, combine_segment_at_expert(c, &self.cfg.topo, s, me));
                     let dst = lay.crecv_offset(cp, combine_segment_at_source(c, &self.cfg.topo, s, me));
-                    self.write(self.local.csend, src, rows * lay.row_bytes, &self.peers[s].crecv, dst, tag);
-                } else {
-                    self.imm_only(tag, &self.peers[s].crecv);
+                    (src, rows * lay.row_bytes, &self.peers[s].crecv, dst)
+                })
+                .collect();
+            let mut first = None;
+            if self.cfg.scatter_data {
+                // One request; a zero-length target carries the immediate alone.
+                self.scatter(self.local.csend, &targets, tag);
+                first = (!targets.is_empty()).then(Instant::now);
+            } else {
+                for &(src, len, dst, dst_offset) in &targets {
+                    if len > 0 {
+                        self.write(self.local.csend, src, len, dst, dst_offset, tag);
+                    } else {
+                        self.imm_only(tag, dst);
+                    }
+                    first.get_or_insert_with(Instant::now);
                 }
-                first.get_or_insert_with(Instant::now);
             }
             let peers = self.remote.len() as u32;
             push(
