@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: set-up and build (with the test packages), lints, the Rust tests, then pytest
+# Runs every test: set-up and build (with the test packages), lints, the Rust tests and smoke runs
+# of the Rust benchmarks, then pytest
 # (multi-process tests over the tcp, udp;ofi_rxd and shm providers, the examples; GPU and netns
 # tests skip with a reason where unsupported).
 set -euo pipefail
@@ -16,5 +17,10 @@ if [ -e .libfabric-cuda/lib/libfabric.so.1 ]; then
     LD_LIBRARY_PATH="$PWD/.libfabric-cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
         cargo test -q --release -p fabric-lib --lib provider::libfabric::dmabuf
 fi
+echo "== Rust benchmarks, smoke runs (each checks what it moves)"
+bench_out=$(mktemp -d)
+cargo bench -q -p fabric-lib --bench submit_cost -- --calls 2000 --targets 1,8 --json-out "$bench_out/submit_cost.json"
+cargo bench -q -p p2p-all-to-all --bench proxy_costs -- --worlds 3 --calls 30 --json-out "$bench_out/proxy_costs.json"
+rm -rf "$bench_out"
 echo "== pytest"
 "$PY" -m pytest -q -p no:cacheprovider tests "$@"

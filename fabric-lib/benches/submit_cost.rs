@@ -149,14 +149,9 @@ fn main() {
     if let Some(path) = &args.json_out {
         let json =
             format!("{{\"provider\": \"{}\", \"window\": {WINDOW}, \"rows\": [{}]}}\n", args.provider, rows.join(", "));
-        if let Err(e) = std::fs::write(path, json) {
-            // cargo bench runs a bench in its crate's folder: relative paths start there.
-            eprintln!(
-                "writing {path}: {e} (a relative path is taken from {})",
-                std::env::current_dir().unwrap().display()
-            );
-            std::process::exit(1);
-        }
+        // cargo bench runs a bench in its crate's folder: relative paths start there.
+        let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
+        std::fs::write(path, json).unwrap_or_else(|e| panic!("writing {path} (relative to {here}): {e}"));
         println!("wrote {path}");
     }
     drop(writer);

@@ -392,6 +392,26 @@ impl State {
         }
     }
 
+    /// Posts `(src_offset, len, dst, dst_offset)` per target from `src`, each target's receiver
+    /// counting `imm` once: one scatter with `scatter_data`, else one write each (a zero-length
+    /// target: the immediate alone). Returns when the first one was handed to the engine.
+    fn post(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) -> Option<Instant> {
+        if self.cfg.scatter_data {
+            self.scatter(src, targets, imm);
+            return (!targets.is_empty()).then(Instant::now);
+        }
+        let mut first = None;
+        for &(src_offset, len, dst, dst_offset) in targets {
+            if len > 0 {
+                self.write(src, src_offset, len, dst, dst_offset, imm);
+            } else {
+                self.imm_only(imm, dst);
+            }
+            first.get_or_insert_with(Instant::now);
+        }
+        first
+    }
+
     fn imm_only(&self, imm: u32, dst: &MrDescriptor) {
         let counter = self.writes.clone();
         if let Err(e) = self.engine.submit_imm(imm, dst, counter.on_done()) {
@@ -466,16 +486,7 @@ impl State {
                     (lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, &self.peers[d].drecv, dst)
                 })
                 .collect();
-            let mut first = None;
-            if self.cfg.scatter_data {
-                self.scatter(self.local.dsend, &targets, tag);
-                first = (!targets.is_empty()).then(Instant::now);
-            } else {
-                for &(src, len, dst, dst_offset) in &targets {
-                    self.write(self.local.dsend, src, len, dst, dst_offset, tag);
-                    first.get_or_insert_with(Instant::now);
-                }
-            }
+            let first = self.post(self.local.dsend, &targets, tag);
             self.dispatch.sample.data_writes += targets.len() as u32;
             let sample = &mut self.dispatch.sample;
             sample.signal_to_first_write_ns = first.map_or(0, |t| (t - signal).as_nanos() as u64);
@@ -593,21 +604,7 @@ impl State {
                     (src, rows * lay.row_bytes, &self.peers[s].crecv, dst)
                 })
                 .collect();
-            let mut first = None;
-            if self.cfg.scatter_data {
-                // One request; a zero-length target carries the immediate alone.
-                self.scatter(self.local.csend, &targets, tag);
-                first = (!targets.is_empty()).then(Instant::now);
-            } else {
-                for &(src, len, dst, dst_offset) in &targets {
-                    if len > 0 {
-                        self.write(self.local.csend, src, len, dst, dst_offset, tag);
-                    } else {
-                        self.imm_only(tag, dst);
-                    }
-                    first.get_or_insert_with(Instant::now);
-                }
-            }
+            let first = self.post(self.local.csend, &targets, tag);
             let peers = self.remote.len() as u32;
             push(
                 &self.shared.combine,
