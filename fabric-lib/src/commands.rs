@@ -27,11 +27,17 @@ pub(crate) struct Target {
     pub keys: smallvec::SmallVec<[(u64, u64); 2]>,
 }
 
-/// A validated, planned request of one or more writes.
+/// A request's peers: inline for one (a single or paged write, an immediate).
+pub(crate) type Targets = smallvec::SmallVec<[Target; 1]>;
+/// A request's writes: inline for two (a small write, or one sharded over two domains).
+pub(crate) type Shards = smallvec::SmallVec<[Shard; 2]>;
+
+/// A validated, planned request of one or more writes (or reads). Small requests carry no heap
+/// allocation of their own: they are planned on the caller's thread and freed on the worker's.
 pub(crate) struct Transfer {
     pub region: u64,
-    pub targets: Vec<Target>,
-    pub shards: Vec<Shard>,
+    pub targets: Targets,
+    pub shards: Shards,
     pub deferred: Vec<DeferredImm>,
     pub on_done: Notify,
 }

@@ -59,6 +59,9 @@ impl CompletionCounter {
 
     /// The first failure, if any.
     pub fn first_error(&self) -> Option<FabricError> {
+        if self.failed() == 0 {
+            return None; // no lock on the success path (the error is stored before the count)
+        }
         self.first_error.lock().clone()
     }
 

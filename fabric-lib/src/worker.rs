@@ -14,7 +14,9 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvErro
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::callback::CallbackQueue;
-use crate::commands::{Command, RecvCallback, SameHostTransfer, SendCommand, Target, Transfer, SCRATCH_REGION};
+use crate::commands::{
+    Command, RecvCallback, SameHostTransfer, SendCommand, Target, Targets, Transfer, SCRATCH_REGION,
+};
 use crate::completion::{Notify, OnDone};
 use crate::config::{deadline_after, EngineConfig, PollMode};
 use crate::descriptor::MemoryKind;
@@ -89,7 +91,7 @@ struct Request {
     /// Immediates to send once every data shard was delivered, with their resolved targets.
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
     /// The peers it writes to or sends to (moved in, not copied): fenced if it times out.
-    peers: Vec<Target>,
+    peers: Targets,
     /// A same-host immediate for the peer's inbox, pushed once the data is visible.
     inbox_imm: Option<inbox::InboxPush>,
 }
@@ -136,7 +138,7 @@ impl Op {
 #[derive(Default)]
 struct DestCache {
     last: Option<((u32, u16), u64)>,
-    others: HashMap<(u32, u16), u64>,
+    others: FxHashMap<(u32, u16), u64>,
 }
 
 impl DestCache {
@@ -234,7 +236,7 @@ struct Worker {
     poll_mode: PollMode,
     transfer_timeout: Duration,
 
-    regions: HashMap<u64, Region>,
+    regions: FxHashMap<u64, Region>,
     recv_callback: Option<RecvCallback>,
     undelivered: VecDeque<Vec<u8>>,
     /// Receive buffers (domain, slot, length) holding a message nobody took yet.
@@ -285,7 +287,7 @@ struct Worker {
     own_tag: u32,
     /// Tags towards re-admitted peers: by first endpoint, and per domain by fi_addr (posting).
     tags_by_peer: HashMap<Vec<u8>, u32>,
-    tags_by_dest: Vec<HashMap<u64, u32>>,
+    tags_by_dest: Vec<FxHashMap<u64, u32>>,
     /// Re-admission handshakes waiting for the peer's answer, by nonce.
     readmits: HashMap<u64, PendingReadmit>,
     /// What this engine counted per writer epoch, and the epochs it retired.
@@ -338,7 +340,7 @@ impl Worker {
             callbacks,
             poll_mode: config.poll_mode,
             transfer_timeout: config.transfer_timeout,
-            regions: HashMap::new(),
+            regions: FxHashMap::default(),
             recv_callback: None,
             undelivered: VecDeque::new(),
             held: VecDeque::new(),
@@ -364,7 +366,7 @@ impl Worker {
             wide_cq_data: domains.iter().all(|d| d.domain.wide_cq_data()),
             own_tag: crate::epoch::draw_tag(|_| false)?,
             tags_by_peer: HashMap::new(),
-            tags_by_dest: (0..domains.len()).map(|_| HashMap::new()).collect(),
+            tags_by_dest: (0..domains.len()).map(|_| FxHashMap::default()).collect(),
             readmits: HashMap::new(),
             received: ReceivedEpochs::default(),
             staged: staged::Staged::new(config)?,
@@ -518,7 +520,7 @@ impl Worker {
             error: None,
             on_done,
             deferred: Vec::new(),
-            peers: Vec::new(),
+            peers: Targets::new(),
             inbox_imm: None,
         };
         self.requests.insert(id, request);
@@ -542,7 +544,7 @@ impl Worker {
     }
 
     /// Keeps a request's peers, to fence them if it times out.
-    fn keep_peers(&mut self, request: u64, peers: Vec<Target>) {
+    fn keep_peers(&mut self, request: u64, peers: Targets) {
         if let Some(req) = self.requests.get_mut(&request) {
             req.peers = peers;
         }
@@ -680,7 +682,7 @@ impl Worker {
         }
         match self.domains[0].domain.resolve_peer(&target.addresses[0]) {
             Ok(dest) => {
-                self.keep_peers(id, vec![target]);
+                self.keep_peers(id, smallvec::smallvec![target]);
                 self.queue_send(id, dest, data, None)
             }
             Err(e) => self.finish(id, Err(e)),

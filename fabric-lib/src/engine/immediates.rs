@@ -3,7 +3,7 @@ use std::sync::atomic::Ordering;
 
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Command, SameHostTransfer, Target, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, SameHostTransfer, Shards, Targets, Transfer, SCRATCH_REGION};
 use crate::completion::{Notify, OnDone};
 use crate::descriptor::MrDescriptor;
 use crate::error::{FabricError, Result};
@@ -29,7 +29,7 @@ impl TransferEngine {
         if !dst.network_reachable() || self.same_host_imm(&dst.owner) {
             return self.plan_imm_to(imm, &dst.owner, on_done);
         }
-        Ok(self.plan_imm_to_targets(imm, vec![self.region_target(dst)?], on_done))
+        Ok(self.plan_imm_to_targets(imm, smallvec::smallvec![self.region_target(dst)?], on_done))
     }
 
     /// Plans an immediate to an engine: into its same-host inbox (`same_host_host_memory`), else
@@ -39,17 +39,17 @@ impl TransferEngine {
             let imm = Some(self.same_host_imm_target(imm, peer)?);
             return Ok(Command::SameHost(SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done }));
         }
-        Ok(self.plan_imm_to_targets(imm, vec![self.engine_target(peer)?], on_done))
+        Ok(self.plan_imm_to_targets(imm, smallvec::smallvec![self.engine_target(peer)?], on_done))
     }
 
-    fn submit_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: OnDone) -> Result<()> {
+    fn submit_imm_to_targets(&self, imm: u32, targets: Targets, on_done: OnDone) -> Result<()> {
         self.command(self.plan_imm_to_targets(imm, targets, Notify::Callback(on_done)))
     }
 
-    pub(super) fn plan_imm_to_targets(&self, imm: u32, targets: Vec<Target>, on_done: Notify) -> Command {
+    pub(super) fn plan_imm_to_targets(&self, imm: u32, targets: Targets, on_done: Notify) -> Command {
         let n = self.num_domains();
         let start = self.rotate(targets.len());
-        let mut shards: Vec<Shard> = (0..targets.len())
+        let mut shards: Shards = (0..targets.len())
             .map(|p| Shard {
                 peer: p as u32,
                 domain: ((start + p) % n) as u16,
@@ -87,7 +87,7 @@ impl TransferEngine {
     /// Sends `imm` to every member of `group` (each member counts it once).
     pub fn submit_barrier(&self, imm: u32, group: PeerGroup, on_done: OnDone) -> Result<()> {
         let members = self.group(group)?;
-        let targets = members.iter().map(|m| self.engine_target(m)).collect::<Result<Vec<_>>>()?;
+        let targets = members.iter().map(|m| self.engine_target(m)).collect::<Result<Targets>>()?;
         self.submit_imm_to_targets(imm, targets, on_done)
     }
 }

@@ -66,7 +66,7 @@ pub struct TransferEngine {
     oversized_messages: Arc<AtomicU64>,
     stale_immediates: Arc<AtomicU64>,
     refused_immediates: Arc<AtomicU64>,
-    regions: RwLock<HashMap<u64, RegionInfo>>,
+    regions: RwLock<rustc_hash::FxHashMap<u64, RegionInfo>>,
     next_region: AtomicU64,
     /// Rotates the first domain of successive requests so load spreads over every NIC.
     pub(crate) next_domain: AtomicUsize,
@@ -130,7 +130,7 @@ impl TransferEngine {
             oversized_messages: info.oversized_messages.clone(),
             stale_immediates: info.stale_immediates.clone(),
             refused_immediates: info.refused_immediates.clone(),
-            regions: RwLock::new(HashMap::new()),
+            regions: RwLock::new(rustc_hash::FxHashMap::default()),
             next_region: AtomicU64::new(crate::commands::SCRATCH_REGION + 1),
             next_domain: AtomicUsize::new(0),
             peer_groups: RwLock::new(HashMap::new()),

@@ -11,13 +11,13 @@ use std::sync::Arc;
 use super::pages::{check_page_lists, check_page_range};
 use super::routing::Route;
 use super::{MrHandle, RegionInfo, TransferEngine};
-use crate::commands::{Command, Target, Transfer};
+use crate::commands::{Command, Shards, Target, Transfer};
 use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::provider::same_host::{Pages, SameHostCopy};
 use crate::requests::{PagedReadRequest, ReadRequest};
-use crate::sharding::Shard;
+use crate::sharding::{Pieces, Shard};
 
 impl TransferEngine {
     /// Reads `req.len` bytes of a peer region into a local one; `on_done` runs on the callback
@@ -52,7 +52,7 @@ impl TransferEngine {
                 }));
             }
         };
-        let pieces = if req.len == 0 { Vec::new() } else { self.domain_pieces(req.len, req.domains) };
+        let pieces = if req.len == 0 { Pieces::new() } else { self.domain_pieces(req.len, req.domains) };
         let shards = pieces
             .into_iter()
             .map(|(domain, off, len)| Shard {
@@ -160,10 +160,10 @@ impl TransferEngine {
         Ok(route)
     }
 
-    fn submit_read_shards(&self, dst: MrHandle, target: Target, shards: Vec<Shard>, on_done: Notify) -> Result<()> {
+    fn submit_read_shards(&self, dst: MrHandle, target: Target, shards: Shards, on_done: Notify) -> Result<()> {
         self.command(Command::Read(Transfer {
             region: dst.0,
-            targets: vec![target],
+            targets: smallvec::smallvec![target],
             shards,
             deferred: Vec::new(),
             on_done,

@@ -8,7 +8,7 @@
 //! receiver counts `imm` once, after all of that target's bytes are in place.
 use super::routing::Route;
 use super::{MrHandle, TransferEngine};
-use crate::commands::{Command, Target, Transfer};
+use crate::commands::{Command, Shards, Target, Targets, Transfer};
 use crate::completion::{Notify, OnDone};
 use crate::descriptor::check_range;
 use crate::error::{FabricError, Result};
@@ -131,8 +131,8 @@ impl TransferEngine {
     ) -> Transfer {
         let n = self.num_domains();
         let start = self.rotate(targets.len());
-        let mut resolved = Vec::with_capacity(targets.len());
-        let mut shards = Vec::with_capacity(targets.len());
+        let mut resolved = Targets::with_capacity(targets.len());
+        let mut shards = Shards::with_capacity(targets.len());
         for (p, (t, target)) in targets.into_iter().enumerate() {
             resolved.push(target);
             let pieces = match sharding {

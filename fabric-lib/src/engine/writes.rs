@@ -8,13 +8,13 @@ use std::sync::Arc;
 use super::pages::{check_page_lists, check_page_range};
 use super::routing::{Route, StagedRoute};
 use super::{MrHandle, TransferEngine};
-use crate::commands::{Command, SameHostTransfer, StagedTransfer, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, SameHostTransfer, Shards, StagedTransfer, Transfer, SCRATCH_REGION};
 use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::provider::same_host::{Pages, SameHostCopy, SameHostDst};
 use crate::requests::{PagedWriteRequest, WriteRequest};
-use crate::sharding::{page_runs, plan_imms, split_bytes, DomainChoice, Shard};
+use crate::sharding::{page_runs, plan_imms, split_bytes, DomainChoice, Pieces, Shard};
 
 /// The longest write that pages adjacent on both sides are merged into on one domain.
 const MAX_PAGE_RUN: u64 = 16 << 20;
@@ -49,11 +49,11 @@ impl TransferEngine {
 
     /// The (domain, offset, length) pieces of one contiguous transfer of `len` bytes (a checked
     /// `choice`): the pinned domain, or shards over the engine's domains.
-    pub(super) fn domain_pieces(&self, len: u64, choice: DomainChoice) -> Vec<(usize, u64, u64)> {
+    pub(super) fn domain_pieces(&self, len: u64, choice: DomainChoice) -> Pieces {
         match choice {
-            DomainChoice::Pinned(d) => vec![(d, 0, len)],
+            DomainChoice::Pinned(d) => smallvec::smallvec![(d, 0, len)],
             DomainChoice::Shard(k) => {
-                split_bytes(len, self.num_domains(), k, self.rotate(1), self.config().shard_min_bytes).into_vec()
+                split_bytes(len, self.num_domains(), k, self.rotate(1), self.config().shard_min_bytes)
             }
         }
     }
@@ -76,7 +76,7 @@ impl TransferEngine {
                 return self.plan_staged(req.src, req.dst, staged, pieces, req.imm, on_done);
             }
         };
-        let mut shards: Vec<Shard> = self
+        let mut shards: Shards = self
             .domain_pieces(req.len, req.domains)
             .into_iter()
             .map(|(domain, off, len)| Shard {
@@ -89,7 +89,13 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &[req.imm]);
-        Ok(Command::Transfer(Transfer { region: req.src.0, targets: vec![target], shards, deferred, on_done }))
+        Ok(Command::Transfer(Transfer {
+            region: req.src.0,
+            targets: smallvec::smallvec![target],
+            shards,
+            deferred,
+            on_done,
+        }))
     }
 
     /// Posts a paged write (see [`PagedWriteRequest`]); every page index is checked against both
@@ -140,7 +146,7 @@ impl TransferEngine {
         let max_run = if n > 1 { self.config().shard_min_bytes } else { MAX_PAGE_RUN }.max(req.page_len);
         let runs = page_runs(pages, req.page_len, max_run);
         let start = self.rotate(runs.len());
-        let mut shards: Vec<Shard> = runs
+        let mut shards: Shards = runs
             .into_iter()
             .enumerate()
             .map(|(i, (src_offset, dst_offset, len))| Shard {
@@ -155,7 +161,7 @@ impl TransferEngine {
         let deferred = plan_imms(&mut shards, &[req.imm]);
         self.submit_transfer(Transfer {
             region: req.src.0,
-            targets: vec![target],
+            targets: smallvec::smallvec![target],
             shards,
             deferred,
             on_done: Notify::Callback(on_done),
@@ -191,13 +197,13 @@ impl TransferEngine {
     ) -> Result<Command> {
         if pieces.iter().all(|p| p.2 == 0) {
             // No bytes to stage: the immediate alone goes to the owner's immediate slot.
-            let targets = vec![self.engine_target(&dst.owner)?];
+            let targets = smallvec::smallvec![self.engine_target(&dst.owner)?];
             let mut shards = match imm {
                 Some(_) => {
                     let domain = (self.rotate(1) % self.num_domains()) as u16;
-                    vec![Shard { peer: 0, domain, src_offset: 0, len: 0, dst_offset: 0, imm: None }]
+                    smallvec::smallvec![Shard { peer: 0, domain, src_offset: 0, len: 0, dst_offset: 0, imm: None }]
                 }
-                None => Vec::new(),
+                None => Shards::new(),
             };
             let deferred = plan_imms(&mut shards, &[imm]);
             return Ok(Command::Transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done }));

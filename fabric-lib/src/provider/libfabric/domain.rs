@@ -1,11 +1,11 @@
 //! One open libfabric domain: fabric, domain, completion queue, address vector and one RDM
 //! endpoint, with the data-path calls the worker needs.
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr;
 use std::rc::Rc;
 
 use libfabric_sys as sys;
+use rustc_hash::FxHashMap;
 
 use super::context::OpContext;
 use super::dmabuf::NicRegistration;
@@ -75,7 +75,7 @@ pub struct LibfabricDomain {
     pub(super) info: FabricInfo,
     pub(super) fids: Rc<DomainFids>,
     address: Vec<u8>,
-    peers: HashMap<Vec<u8>, sys::fi_addr_t>,
+    peers: FxHashMap<Vec<u8>, sys::fi_addr_t>,
     entries: Vec<sys::fi_cq_data_entry>,
 }
 
@@ -141,7 +141,7 @@ impl LibfabricDomain {
             info,
             fids: Rc::new(fids),
             address: name,
-            peers: HashMap::new(),
+            peers: FxHashMap::default(),
             entries: vec![sys::fi_cq_data_entry::default(); CQ_BATCH],
         })
     }
