@@ -224,7 +224,7 @@ impl RemotePath {
             layout: self.layout,
             cpu: self.proxy_cpu,
             idle_spin: Duration::from_millis(50),
-            scatter_data: !self.gpu_buffers,
+            scatter_data: true,
             placement_fence: self.placement_fence.clone(),
         };
         self.proxy = Some(Proxy::start(self.engine.clone(), cfg, local, peers)?);
