@@ -365,6 +365,7 @@ class Cluster:
                 group_bytes=group_bytes,
             )  # fmt: skip
         net = {"device": device, "provider": provider, "force_network": force_network}
+        self.net = net
         self.inference = spawn_ranks(
             tp, setup=open_inference, setup_kwargs={**net, "gpu_offset": 2}, teardown=close_inference,
             names=[f"inf{r}" for r in range(tp)], timeout=180,
