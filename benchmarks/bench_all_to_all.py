@@ -149,6 +149,10 @@ class Timer:
         self.marks: list[list[torch.cuda.Event]] = []
 
     def align(self) -> None:
+        # The collective below may stage through host memory: wait for the calls of the previous
+        # phase first (with shm and GPU buffers a host copy must not wait behind a call in flight;
+        # docs/all_to_all_rdma.md, Limits). The phases are timed by events, so this costs nothing.
+        torch.cuda.current_stream().synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
         dist.all_reduce(self.line)
 
@@ -310,6 +314,9 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
 
     def combine_error(a2a: Any) -> float:
         out = a2a.dispatch(x, idx, scales=scales)
+        # Host-side work below may copy to pageable memory; with shm and GPU buffers that must not
+        # happen while a call is in flight (docs/all_to_all_rdma.md, Limits).
+        torch.cuda.current_stream().synchronize()
         xf = out.x.float()
         if out.scales is not None:
             xf = xf * out.scales.repeat_interleave(128, dim=-1)

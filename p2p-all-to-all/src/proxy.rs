@@ -17,8 +17,8 @@
 //!    count message is in it raises `rcf[p][s]` first: the kernel computes its rows' offsets
 //!    (and expands NVLink sources' tokens) while remote records are still in flight.
 //!
-//! Combine call `cn`: when the combine send kernel raised `cdone`, one write per remote rank (or
-//! only an immediate where there are no rows: every rank always hears from every remote rank,
+//! Combine call `cn`: when the combine send kernel raised `cdone`, one write per remote rank, all
+//! in one scatter (or only an immediate where there are no rows: every rank always hears from every remote rank,
 //! which is what makes the doubled buffers safe to reuse); each arrival raises `crflag[d]`.
 //!
 //! The proxy never blocks on a peer: a dead peer leaves flags down and the kernels' waits time

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_lib::{Context, DeviceBuffer, PinnedHostBuffer};
-use fabric_lib::{EngineConfig, MemoryKind, MrDescriptor, MrHandle, TransferEngine};
+use fabric_lib::{
+    CompletionCounter, DomainChoice, EngineConfig, MemoryKind, MrDescriptor, MrHandle, TransferEngine, WriteRequest,
+};
 
 use crate::error::{invalid, Result};
 use crate::proxy::{CombineSample, DispatchSample, LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig};
@@ -45,6 +47,13 @@ impl Buffer {
         })
     }
 
+    fn len(&self) -> usize {
+        match self {
+            Buffer::Device(b) => b.len(),
+            Buffer::Host(b) => b.len(),
+        }
+    }
+
     /// The address kernels use.
     fn device_ptr(&self) -> u64 {
         match self {
@@ -72,6 +81,9 @@ impl Buffer {
 }
 
 const REGIONS_MAGIC: &[u8; 4] = b"A2AR";
+
+/// Bytes of each warm-up write (see [`RemotePath::warm_up`]).
+const WARM_UP_BYTES: usize = 64;
 
 /// The RDMA half of one rank (see the module documentation).
 pub struct RemotePath {
@@ -199,6 +211,7 @@ impl RemotePath {
     pub fn connect(&mut self, exports: &[&[u8]]) -> Result<()> {
         let shape = (self.topo.nvlink as u64, self.layout.private_tokens as u64);
         let peers = exports.iter().enumerate().map(|(r, b)| decode_regions(r, b, shape)).collect::<Result<Vec<_>>>()?;
+        self.warm_up(&peers)?;
         let local = LocalRegions {
             block_ptr: self.block_buf.host_ptr(),
             block: self.regions[0].0,
@@ -211,11 +224,47 @@ impl RemotePath {
             layout: self.layout,
             cpu: self.proxy_cpu,
             idle_spin: Duration::from_millis(50),
-            scatter_data: !self.gpu_buffers,
+            scatter_data: true,
             placement_fence: self.placement_fence.clone(),
         };
         self.proxy = Some(Proxy::start(self.engine.clone(), cfg, local, peers)?);
         Ok(())
+    }
+
+    /// Writes a few bytes from each send buffer into the matching receive buffer of every remote
+    /// rank (no immediate) and waits for them. A provider sets a path up at its first use: `shm`
+    /// maps the peer's segment and registers it with CUDA, and opens the peer buffer's CUDA IPC
+    /// handle, calls that need the CUDA driver's exclusive lock. During a call that lock can be
+    /// held by the application's thread blocked in a copy behind the call's kernels (a pageable
+    /// `tensor.cpu()`), which wait for these very writes: so every path is set up here, before
+    /// any call. The receive buffers hold nothing yet; every call overwrites what it reads. The
+    /// caller must not start a call before every rank returned from here (a barrier): a peer's
+    /// writes are complete once this rank's engine has set them up.
+    fn warm_up(&self, peers: &[PeerRegions]) -> Result<()> {
+        let counter = CompletionCounter::new();
+        let mut posted = 0u64;
+        for (r, peer) in peers.iter().enumerate() {
+            if !self.topo.is_remote(self.rank, r) {
+                continue;
+            }
+            for (src, dst) in [(DSEND, &peer.drecv), (CSEND, &peer.crecv)] {
+                let len = WARM_UP_BYTES.min(self.bufs[src].len()).min(dst.len as usize);
+                let req = WriteRequest {
+                    src: self.regions[src + 1].0,
+                    src_offset: 0,
+                    len: len as u64,
+                    dst,
+                    dst_offset: 0,
+                    imm: None,
+                    domains: DomainChoice::Shard(self.engine.num_domains()),
+                };
+                self.engine.submit_write_counted(&req, &counter)?;
+                posted += 1;
+            }
+        }
+        let timeout = self.engine.config().transfer_timeout;
+        counter.wait_for(posted, timeout)?;
+        counter.first_error().map_or(Ok(()), |e| Err(e.into()))
     }
 
     /// The proxy's first failure, or the block's error word raised.

@@ -272,6 +272,10 @@ class AllToAll:
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, self._native.export_handle(), group=self.group)
         self._native.connect(handles)
+        # connect() set up this rank's paths to its remote ranks; the barrier makes sure every
+        # rank's did before any call (RemotePath::warm_up says why).
+        if self._native.remote_gpu_buffers is not None:
+            dist.barrier(group=self.group)
         self._last_rows: int | None = None  # rows of x in the last dispatch send
 
     def _gpu_topology(self) -> Any:

@@ -95,10 +95,11 @@ def new_a2a(layout: Layout, dtype: Any, **kw: Any) -> Any:
 
 
 def settle(a2a: Any) -> None:
-    """With shm and GPU buffers, waits for this stream's calls before the host queues anything
-    else: shm's device copies run on the legacy default stream, which the proxy waits for, and a
-    pageable host copy queued there behind a receive kernel would hold that wait until the kernel
-    timed out (docs/all_to_all_rdma.md, Limits). Nothing to do elsewhere."""
+    """With shm and GPU buffers, waits for this stream's calls before the host copies results:
+    shm's device copies (`cudaMemcpy` in the receiving engine's progress) need the CUDA driver's
+    exclusive lock, which a pageable host copy (`tensor.cpu()`) holds while it waits behind the
+    receive kernel, which waits for those copies (docs/all_to_all_rdma.md, Limits). Nothing to do
+    elsewhere."""
     if a2a._side_stream_only:
         torch.cuda.current_stream().synchronize()
 
@@ -354,8 +355,8 @@ def killed_peer(_state: None, layout: Layout, victim: int) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
-def test_killed_remote_rank_raises_a_typed_timeout() -> None:
-    layout = LAYOUTS[0]
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=lambda layout: layout.name)
+def test_killed_remote_rank_raises_a_typed_timeout(layout: Layout) -> None:
     _skip_unless_usable(layout)
     victim = layout.world - 1
     with spawn_ranks(layout.world, setup=join_world, timeout=180) as ranks:
