@@ -74,20 +74,7 @@ fn forged_descriptors_land_nowhere(provider: &str) {
     let (gone_h, gone_desc) = register(&b, &mut gone);
     b.unregister_memory(gone_h).unwrap();
 
-    let forge = |f: &dyn Fn(&mut MrDescriptor)| {
-        let mut d = target_desc.clone();
-        f(&mut d);
-        d
-    };
-    let cases: Vec<(&str, MrDescriptor, u64, u64)> = vec![
-        ("key + 1", forge(&|d| d.keys[0].key = d.keys[0].key.wrapping_add(1)), 0, 64),
-        ("key - 1", forge(&|d| d.keys[0].key = d.keys[0].key.wrapping_sub(1)), 0, 64),
-        ("length forged past the end", forge(&|d| d.len = 3 * REGION as u64), 0, 2 * REGION as u64),
-        ("last byte + 1", forge(&|d| d.len = REGION as u64 + 1), REGION as u64, 1),
-        ("stale: region unregistered", gone_desc.clone(), 0, 64),
-        ("another engine's key", forge(&|d| d.keys[0].key = other_desc.keys[0].key), 0, 64),
-        ("misdirected to another engine", forge(&|d| d.keys[0].address = other_desc.keys[0].address.clone()), 0, 64),
-    ];
+    let cases = common::forged_descriptors(&target_desc, &gone_desc, &other_desc, REGION as u64, 3 * REGION as u64);
     for (i, (name, desc, offset, len)) in cases.into_iter().enumerate() {
         let a = engine(provider).unwrap();
         let mut src = vec![0xABu8; 4 * REGION];

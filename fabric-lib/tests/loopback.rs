@@ -1,10 +1,12 @@
 //! Two engines in one process, over real libfabric providers on loopback.
+mod common;
+
 use std::sync::mpsc;
 use std::time::Duration;
 
+use common::register;
 use fabric_lib::{
-    DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine,
-    WriteRequest,
+    DomainChoice, EngineConfig, FabricError, MrDescriptor, PollMode, ProviderSpec, TransferEngine, WriteRequest,
 };
 
 fn engine(provider: &str) -> TransferEngine {
@@ -19,11 +21,6 @@ fn engine(provider: &str) -> TransferEngine {
 
 fn wait(rx: &mpsc::Receiver<fabric_lib::Result<()>>) {
     rx.recv_timeout(Duration::from_secs(20)).expect("completion in time").expect("transfer ok");
-}
-
-fn register(e: &TransferEngine, buf: &mut [u8]) -> (fabric_lib::MrHandle, MrDescriptor) {
-    // SAFETY: the buffers outlive the engines in these tests (engines are dropped first).
-    unsafe { e.register_memory(buf.as_mut_ptr(), buf.len(), MemoryKind::Host) }.unwrap()
 }
 
 fn write_imm_and_message(provider: &str) {
@@ -110,15 +107,7 @@ fn unknown_provider_is_a_typed_error() {
 /// barrier each deliver exactly one immediate per target.
 #[test]
 fn two_domains_shard_and_count_one_imm_per_request() {
-    let mk = || {
-        TransferEngine::new(EngineConfig {
-            provider: ProviderSpec::new(Some("tcp"), &["lo", "lo"]),
-            poll_mode: PollMode::ADAPTIVE,
-            shard_min_bytes: 0,
-            ..Default::default()
-        })
-        .unwrap()
-    };
+    let mk = common::two_domain_loopback_engine;
     let (a, b, c) = (mk(), mk(), mk());
     assert_eq!(a.num_domains(), 2);
     let mut src: Vec<u8> = (0..(4u32 << 20)).map(|i| (i % 251) as u8).collect();

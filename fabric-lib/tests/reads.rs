@@ -10,8 +10,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use fabric_lib::{
-    DomainChoice, EngineConfig, FabricError, MemoryKind, MrDescriptor, MrHandle, PagedReadRequest, PollMode,
-    ProviderSpec, ReadRequest, RegisterOptions, TransferEngine,
+    DomainChoice, FabricError, MemoryKind, MrDescriptor, MrHandle, PagedReadRequest, ReadRequest, RegisterOptions,
+    TransferEngine,
 };
 
 const REGION: usize = 4096;
@@ -192,30 +192,10 @@ fn forged_reads_bring_nothing_home(provider: &str) {
     let (gone_h, gone_desc) = register(&b, &mut gone, true);
     b.unregister_memory(gone_h).unwrap();
 
-    let forge = |f: &dyn Fn(&mut MrDescriptor)| {
-        let mut d = target.clone();
-        f(&mut d);
-        d
-    };
-    let cases: Vec<(&str, MrDescriptor, u64, u64)> = vec![
-        ("key + 1", forge(&|d| d.keys[0].key = d.keys[0].key.wrapping_add(1)), 0, 64),
-        ("key - 1", forge(&|d| d.keys[0].key = d.keys[0].key.wrapping_sub(1)), 0, 64),
-        ("length forged past the end", forge(&|d| d.len = 2 * REGION as u64), 0, 2 * REGION as u64),
-        ("last byte + 1", forge(&|d| d.len = REGION as u64 + 1), REGION as u64, 1),
-        ("stale: region unregistered", gone_desc.clone(), 0, 64),
-        ("another engine's key", forge(&|d| d.keys[0].key = other_desc.keys[0].key), 0, 64),
-        ("misdirected to another engine", forge(&|d| d.keys[0].address = other_desc.keys[0].address.clone()), 0, 64),
-        (
-            "write-only region forged readable",
-            {
-                let mut d = guard_hi.clone();
-                d.remote_read = true;
-                d
-            },
-            0,
-            64,
-        ),
-    ];
+    let mut cases = common::forged_descriptors(&target, &gone_desc, &other_desc, REGION as u64, 2 * REGION as u64);
+    let mut forged_readable = guard_hi.clone();
+    forged_readable.remote_read = true;
+    cases.push(("write-only region forged readable", forged_readable, 0, 64));
     for (name, desc, offset, len) in cases {
         let a = engine(provider).unwrap();
         let mut local = vec![0u8; 3 * REGION];
@@ -288,15 +268,7 @@ fn a_read_from_a_stopped_peer_fails_typed_and_fences_on_timeout() {
 
 #[test]
 fn large_reads_are_sharded_over_every_domain() {
-    let open = || {
-        TransferEngine::new(EngineConfig {
-            provider: ProviderSpec::new(Some("tcp"), &["lo", "lo"]),
-            poll_mode: PollMode::ADAPTIVE,
-            shard_min_bytes: 0,
-            ..Default::default()
-        })
-        .unwrap()
-    };
+    let open = common::two_domain_loopback_engine;
     let (a, b) = (open(), open());
     let mut remote = pattern(1 << 20, 9);
     let (_, desc) = register(&b, &mut remote, true);

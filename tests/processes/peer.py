@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -155,6 +158,15 @@ def peers(
     ) as ranks:
         infos = [p.result(timeout) for p in ranks.submit_all(describe)]
         yield [Peer(rank, *info) for rank, info in zip(ranks, infos, strict=True)]
+
+
+def sigstop(pid: int) -> None:
+    """SIGSTOPs ``pid`` and waits until the kernel reports it stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "T":
+        assert time.monotonic() < deadline, "the peer never stopped"
+        time.sleep(0.005)
 
 
 # -- operations run in peers --------------------------------------------------------------------

@@ -27,7 +27,7 @@ from fabric_lib.errors import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .peer import peers, stale_immediates, wait_imms
+from .peer import peers, sigstop, stale_immediates, wait_imms
 
 BAD_OPTIONS: list[dict[str, Any]] = [
     {"transfer_timeout": 1e19},
@@ -169,15 +169,6 @@ def test_timed_out_peer_is_fenced_until_readmitted() -> None:
             e.submit_write(region, dst, imm=3).result(timeout=10)
 
 
-def _stop(pid: int) -> None:
-    """SIGSTOPs ``pid`` and waits until the kernel reports it stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "T":
-        assert time.monotonic() < deadline, "the peer never stopped"
-        time.sleep(0.005)
-
-
 REQUESTS = 100
 
 
@@ -232,7 +223,7 @@ def test_timed_out_requests_are_counted_once_after_readmission(
                 offset = size * imm % dst.length
                 return e.submit_write(region, dst, size, dst_offset=offset, imm=imm, domain=pinned)
 
-            _stop(receiver.pid)
+            sigstop(receiver.pid)
             try:
                 futures = [write(i) for i in imms]
                 for f in futures:

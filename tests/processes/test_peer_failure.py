@@ -21,10 +21,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
-from fabric_lib.testing import gather
+from fabric_lib.testing import Pending, gather
 from providers import provider_available, provider_params
 
 from .peer import Peer, PeerState, WriteOp, check_plan, fill, peers, write_plan
@@ -35,6 +36,39 @@ SLACK = 2.5  # scheduling on 2 cores, the worker's expiry check, the callback th
 STOP_BOUND = 3.0
 SRC_SEED, INIT_SEED = 31, 32
 OK_ERRORS = ("TransferError", "FabricTimeoutError", "PeerFencedError")
+
+
+def _peers(provider: str, **buf_sizes: int) -> AbstractContextManager[list[Peer]]:
+    """One peer per keyword (its name), with a buffer of that many bytes, in keyword order;
+    requests time out after ``TRANSFER_TIMEOUT``, commands (a handshake) after 5 s."""
+    return peers(
+        provider,
+        list(buf_sizes),
+        buf_size=list(buf_sizes.values()),
+        engine_kwargs={"transfer_timeout": TRANSFER_TIMEOUT, "command_timeout": 5.0},
+    )
+
+
+def _assert_exact(check: dict[str, Any]) -> None:
+    """A receiver's ``check_plan`` report: every byte as planned, every immediate counted once."""
+    assert check["mismatch"] is None, check
+    assert all(v == 0 for v in check["leftover"].values()), check
+
+
+def _start_check(
+    receiver: Peer, ops: list[WriteOp], size: int, timeout: float, span: tuple[int, int] | None = None
+) -> Pending[dict[str, Any]]:
+    """Starts the receiver's ``check_plan`` of ``ops``, written from a ``size``-byte source of
+    ``SRC_SEED`` into its buffer of ``INIT_SEED`` (``span``: the part checked, None for all)."""
+    return receiver.submit(
+        check_plan,
+        ops=ops,
+        init_seed=INIT_SEED,
+        src_seeds={0: SRC_SEED},
+        src_size=size,
+        timeout=timeout,
+        span=span,
+    )
 
 
 def _plan(seed: int, first_dst: int, imm: int, n: int, src_size: int) -> list[WriteOp]:
@@ -245,6 +279,14 @@ def stream_outcomes(state: PeerState) -> dict[str, int]:
     return dict(state.extra.get("stream_outcomes", {}))
 
 
+def _wait_until_streaming(peer: Peer, writes: int = 200) -> None:
+    """Waits (30 s at most) until ``peer``'s ``stream_writes`` completed ``writes`` writes."""
+    deadline = time.monotonic() + 30
+    while peer.call(streamed) < writes:
+        assert time.monotonic() < deadline, "the stream did not get going"
+        time.sleep(0.01)
+
+
 SHM_BUG = (
     "bug (shm, libfabric 1.17): after even one > 4 KiB write to a peer that has died (or is stopped), every later "
     "> 4 KiB write to any live peer times out, also once the dead peer's requests have expired; "
@@ -266,12 +308,7 @@ def test_killed_peer_fails_in_flight_requests_and_survivor_keeps_working(provide
     src_size, dst_size = 4 * MiB, 4 * MiB
     ops = _plan(1, 0, 0xA1, 12, src_size)
     assert max(op[2] + (op[3] or 0) for op in ops) <= dst_size
-    with peers(
-        provider,
-        ["writer", "victim", "survivor"],
-        buf_size=[src_size, MiB, dst_size],
-        engine_kwargs={"transfer_timeout": TRANSFER_TIMEOUT, "command_timeout": 5.0},
-    ) as (writer, victim, survivor):
+    with _peers(provider, writer=src_size, victim=MiB, survivor=dst_size) as (writer, victim, survivor):
         gather([writer.submit(fill, seed=SRC_SEED), survivor.submit(fill, seed=INIT_SEED)])
         report, check = gather(
             [
@@ -283,14 +320,7 @@ def test_killed_peer_fails_in_flight_requests_and_survivor_keeps_working(provide
                     survivor_ops=ops,
                     timeout=30.0,
                 ),
-                survivor.submit(
-                    check_plan,
-                    ops=ops,
-                    init_seed=INIT_SEED,
-                    src_seeds={0: SRC_SEED},
-                    src_size=src_size,
-                    timeout=20.0,
-                ),
+                _start_check(survivor, ops, src_size, timeout=20.0),
             ],
             timeout=90,
         )
@@ -324,8 +354,7 @@ def test_killed_peer_fails_in_flight_requests_and_survivor_keeps_working(provide
         # The live peer is still served after the failure: exact bytes and counts. (Writes to it
         # *during* the failure window are test_live_peer_is_not_starved_by_traffic_to_a_dead_peer.)
         assert report["survivor_errors"] == []
-        assert check["mismatch"] is None, check
-        assert all(v == 0 for v in check["leftover"].values()), check
+        _assert_exact(check)
 
         # stop() was prompt, and the writer process exits cleanly afterwards.
         assert report["stop_s"] < STOP_BOUND, report["stop_s"]
@@ -342,32 +371,21 @@ def test_receiver_survives_a_writer_killed_mid_stream(provider: str) -> None:
     size = 4 * MiB
     ops = _plan(3, MiB, 0xB1, 10, size)
     assert max(op[2] + (op[3] or 0) for op in ops) <= size
-    with peers(
-        provider,
-        ["rx", "doomed", "live"],
-        buf_size=[size, size, size],
-        engine_kwargs={"transfer_timeout": TRANSFER_TIMEOUT, "command_timeout": 5.0},
-    ) as (rx, doomed, live):
+    with _peers(provider, rx=size, doomed=size, live=size) as (rx, doomed, live):
         gather(
             [live.submit(fill, seed=SRC_SEED), doomed.submit(fill, seed=99), rx.submit(fill, seed=INIT_SEED)]
         )
         doomed.call(stream_writes, dst=rx.descriptor, imm=0xBAD, size=65536, max_inflight=64)
-        deadline = time.monotonic() + 30
-        while doomed.call(streamed) < 200:
-            assert time.monotonic() < deadline, "the stream did not get going"
-            time.sleep(0.02)
+        _wait_until_streaming(doomed)
         doomed.kill()
         assert doomed.exitcode == -9
         # The dead writer's stream went to [0, 64 KiB).
-        check = _run_plan(live, rx, ops, size, timeout=30.0, span=(MiB, size))
-        assert check["mismatch"] is None, check
-        assert all(v == 0 for v in check["leftover"].values()), check
+        _assert_exact(_run_plan(live, rx, ops, size, timeout=30.0, span=(MiB, size)))
         # The receiver can still write back to the live writer.
         back = _plan(4, 0, 0xB2, 4, size)
         live.call(fill, seed=INIT_SEED)
         rx.call(fill, seed=SRC_SEED)
-        check = _run_plan(rx, live, back, size, timeout=30.0)
-        assert check["mismatch"] is None, check
+        _assert_exact(_run_plan(rx, live, back, size, timeout=30.0))
         stop_s = rx.close()
         assert stop_s is not None and stop_s < STOP_BOUND, stop_s
 
@@ -385,15 +403,7 @@ def _run_plan(
     _, check = gather(
         [
             writer.submit(write_plan, dst=receiver.descriptor, ops=ops, timeout=timeout),
-            receiver.submit(
-                check_plan,
-                ops=ops,
-                init_seed=INIT_SEED,
-                src_seeds={0: SRC_SEED},
-                src_size=size,
-                timeout=timeout,
-                span=span,
-            ),
+            _start_check(receiver, ops, size, timeout, span),
         ],
         timeout=3 * timeout,
     )
@@ -406,7 +416,7 @@ def _timed_plan(writer: Peer, live: Peer, ops: list[WriteOp], size: int) -> floa
     t0 = time.monotonic()
     check = _run_plan(writer, live, ops, size, timeout=10.0)
     latency = time.monotonic() - t0
-    assert check["mismatch"] is None and all(v == 0 for v in check["leftover"].values()), check
+    _assert_exact(check)
     return latency
 
 
@@ -431,19 +441,11 @@ def test_live_peer_is_not_starved_by_traffic_to_a_dead_peer(provider: str, signa
         pytest.skip(f"libfabric provider {provider!r} not available")
     size = 4 * MiB
     ops = _plan(5, 0, 0xE1, 6, size)
-    with peers(
-        provider,
-        ["writer", "victim", "live"],
-        buf_size=[size, MiB, size],
-        engine_kwargs={"transfer_timeout": TRANSFER_TIMEOUT, "command_timeout": 5.0},
-    ) as (writer, victim, live):
+    with _peers(provider, writer=size, victim=MiB, live=size) as (writer, victim, live):
         gather([writer.submit(fill, seed=SRC_SEED), live.submit(fill, seed=INIT_SEED)])
         baseline = _timed_plan(writer, live, ops, size)
         writer.call(stream_writes, dst=victim.descriptor, imm=0xBAD, size=4096, max_inflight=64)
-        deadline = time.monotonic() + 30
-        while writer.call(streamed) < 200:
-            assert time.monotonic() < deadline, "the stream did not get going"
-            time.sleep(0.01)
+        _wait_until_streaming(writer)
         os.kill(victim.pid, getattr(signal, signal_name))
         time.sleep(0.3)
         try:

@@ -36,7 +36,7 @@ from fabric_lib.testing import RankError, gather
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .peer import Peer, PeerState, WriteOp, check_plan, fill, imm_value, peers, wait_imms, write_plan
+from .peer import Peer, PeerState, WriteOp, check_plan, fill, imm_value, peers, sigstop, wait_imms, write_plan
 
 WRITERS = 3
 OPS_PER_WRITER = 1000
@@ -89,15 +89,6 @@ class RawInbox:
         self.words[i] = np.uint64((tag << 32) | imm)
         self.words[i + 1] = np.uint64(position + 1 if seq is None else seq)
         self.words[self.TAIL] = np.uint64(position + 1)
-
-
-def _stop(pid: int) -> None:
-    """SIGSTOPs ``pid`` and waits until the kernel reports it stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "T":
-        assert time.monotonic() < deadline, "the peer never stopped"
-        time.sleep(0.005)
 
 
 def _posted(engine: fabric_lib.TransferEngine) -> int:
@@ -220,7 +211,7 @@ def test_full_ring_holds_writers_back_and_drops_nothing(small_inbox: Peer) -> No
     with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **WRITER_OPTIONS) as e:
         e.submit_imm(1, peer).result(timeout=10)
         assert rx.call(wait_imms, {1: 1}) == {1: 0}  # the ring is empty
-        _stop(rx.pid)
+        sigstop(rx.pid)
         try:
             futures = [e.submit_imm(2, peer) for _ in range(200)]
             deadline = time.monotonic() + 10
@@ -251,7 +242,7 @@ def test_epoch_filter_drops_same_host_immediates_of_an_ended_epoch(small_inbox: 
         with fabric_lib.TransferEngine("tcp", poll_mode="adaptive", **options) as e:
             e.submit_imm(5, peer).result(timeout=10)  # connects; one of the old epoch
             assert rx.call(wait_imms, {5: 1}) == {5: 0}
-            _stop(rx.pid)
+            sigstop(rx.pid)
             try:
                 start = raw.tail()
                 futures = [e.submit_imm(6, peer) for _ in range(20)]
