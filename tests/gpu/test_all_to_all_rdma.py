@@ -248,6 +248,25 @@ def sc_cuda_graph(layout: Layout, gen: Any) -> None:
     a2a.destroy()
 
 
+def sc_default_stream(layout: Layout, gen: Any) -> None:
+    """Calls on the legacy default stream: refused with a typed error (nothing launched, the
+    object still usable) where shm's device copies run on that stream, a plain round trip
+    elsewhere."""
+    from fabric_lib.errors import InvalidArgumentError
+
+    a2a = new_a2a(layout, torch.bfloat16)
+    x, _, _ = make_tokens(MAX_TOKENS, a2a.dispatch_dtype, gen, a2a.device, a2a.hidden)
+    idx, _ = make_routing("uniform", MAX_TOKENS, a2a.num_experts, gen, a2a.device)
+    with torch.cuda.stream(torch.cuda.default_stream(a2a.device)):
+        if layout.gpu_buffers:
+            with pytest.raises(InvalidArgumentError, match="non-default stream"):
+                a2a.dispatch(x, idx)
+        else:
+            round_trip(a2a, "uniform", MAX_TOKENS, gen)
+    round_trip(a2a, "masked", MAX_TOKENS, gen)  # on the scenario's stream: still usable
+    a2a.destroy()
+
+
 SCENARIOS: dict[str, Callable[[Layout, Any], None]] = {
     "routings": sc_routings,
     "quota_extremes": sc_quota_extremes,
@@ -255,6 +274,7 @@ SCENARIOS: dict[str, Callable[[Layout, Any], None]] = {
     "split_halves": sc_split_halves,
     "consecutive": sc_consecutive,
     "cuda_graph": sc_cuda_graph,
+    "default_stream": sc_default_stream,
 }
 
 
