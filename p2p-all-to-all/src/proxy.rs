@@ -18,8 +18,9 @@
 //!    (and expands NVLink sources' tokens) while remote records are still in flight.
 //!
 //! Combine call `cn`: when the combine send kernel raised `cdone`, one write per remote rank, all
-//! in one scatter (or only an immediate where there are no rows: every rank always hears from every remote rank,
-//! which is what makes the doubled buffers safe to reuse); each arrival raises `crflag[d]`.
+//! in one scatter (or only an immediate where there are no rows: every rank always hears from
+//! every remote rank, which is what makes the doubled buffers safe to reuse); each arrival raises
+//! `crflag[d]`.
 //!
 //! The proxy never blocks on a peer: a dead peer leaves flags down and the kernels' waits time
 //! out. Failed writes are recorded in the block's `error` word and [`Proxy::error`].
@@ -372,10 +373,11 @@ impl State {
     }
 
     /// One request writing `(src_offset, len, dst, dst_offset)` per target from `src`, each
-    /// target's receiver counting `imm` once.
-    fn scatter(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) {
+    /// target's receiver counting `imm` once. Returns when it was handed to the engine (None:
+    /// no targets).
+    fn scatter(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) -> Option<Instant> {
         if targets.is_empty() {
-            return;
+            return None;
         }
         let targets: Vec<ScatterTarget<'_>> = targets
             .iter()
@@ -390,6 +392,7 @@ impl State {
         if let Err(e) = self.engine.submit_scatter(None, src, &targets, Some(imm), ScatterSharding::ByBytes, on_done) {
             self.fail(format!("posting a scatter to {} ranks: {e}", targets.len()));
         }
+        Some(Instant::now())
     }
 
     /// Posts `(src_offset, len, dst, dst_offset)` per target from `src`, each target's receiver
@@ -397,8 +400,7 @@ impl State {
     /// target: the immediate alone). Returns when the first one was handed to the engine.
     fn post(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) -> Option<Instant> {
         if self.cfg.scatter_data {
-            self.scatter(src, targets, imm);
-            return (!targets.is_empty()).then(Instant::now);
+            return self.scatter(src, targets, imm);
         }
         let mut first = None;
         for &(src_offset, len, dst, dst_offset) in targets {
@@ -440,8 +442,7 @@ impl State {
             // One scatter: the same message to every other rank.
             let (src, len, dst) = (self.block.msg_out_at(p), self.block.msg_bytes, self.block.msg_in_at(p, me));
             let targets: Vec<_> = (0..w).filter(|&r| r != me).map(|r| (src, len, &self.peers[r].block, dst)).collect();
-            self.scatter(self.local.block, &targets, imm(ImmKind::Counts, n as u32, me));
-            let first = (!targets.is_empty()).then(Instant::now);
+            let first = self.scatter(self.local.block, &targets, imm(ImmKind::Counts, n as u32, me));
             let c = &mut self.counts[p];
             c.tok[me] = tok;
             c.hist[me] = hist;

@@ -47,13 +47,6 @@ impl Buffer {
         })
     }
 
-    fn len(&self) -> usize {
-        match self {
-            Buffer::Device(b) => b.len(),
-            Buffer::Host(b) => b.len(),
-        }
-    }
-
     /// The address kernels use.
     fn device_ptr(&self) -> u64 {
         match self {
@@ -248,9 +241,10 @@ impl RemotePath {
                 continue;
             }
             for (src, dst) in [(DSEND, &peer.drecv), (CSEND, &peer.crecv)] {
-                let len = WARM_UP_BYTES.min(self.bufs[src].len()).min(dst.len as usize);
+                let (handle, own) = &self.regions[src + 1];
+                let len = WARM_UP_BYTES.min(own.len as usize).min(dst.len as usize);
                 let req = WriteRequest {
-                    src: self.regions[src + 1].0,
+                    src: *handle,
                     src_offset: 0,
                     len: len as u64,
                     dst,

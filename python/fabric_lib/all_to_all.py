@@ -202,7 +202,6 @@ class AllToAll:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise _fail(f"device must be a CUDA device with an index, not {device}")
-        self._device_index: int = self.device.index
         for name, value in [
             ("max_num_tokens", max_num_tokens),
             ("hidden", hidden),
@@ -375,7 +374,7 @@ class AllToAll:
 
     def _stream(self) -> int:
         if _raw_stream is not None:
-            stream = int(_raw_stream(self._device_index))
+            stream = int(_raw_stream(self.device.index))
         else:
             stream = int(torch.cuda.current_stream(self.device).cuda_stream)
         if stream == 0 and self._side_stream_only:
