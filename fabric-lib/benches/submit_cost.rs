@@ -4,17 +4,23 @@
 //!
 //! Two engines in this process over a loopback provider; each scatter target is a different
 //! 4 KiB slice of one peer region (the per-target work on the caller's thread is the same for
-//! different peers). Calls go in windows of 32, each window waited for before the next.
+//! different peers), and the same writes through a prepared scatter (`prepare_scatter`). Calls
+//! go in windows of 32, each window waited for before the next.
 //!
 //!     cargo bench -p fabric-lib --bench submit_cost -- [--provider tcp] [--targets 1,8,64]
 //!         [--calls 20000] [--json-out submit_cost.json]
+/// Small requests are allocated on the caller's thread and freed on the worker's: mimalloc frees
+/// them without the system allocator's cross-thread cost.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_lib::{
     DomainChoice, EngineConfig, MemoryKind, MrDescriptor, MrHandle, PollMode, ProviderSpec, ScatterSharding,
-    ScatterTarget, TransferEngine, WriteRequest,
+    ScatterSlice, ScatterTarget, TransferEngine, WriteRequest,
 };
 
 const WINDOW: usize = 32;
@@ -143,6 +149,20 @@ fn main() {
             n,
             time_calls(args.calls, &d.clone(), || {
                 writer.submit_scatter(None, h, &targets, Some(9), ScatterSharding::ByPeer, counting(&done)).unwrap();
+            }),
+        );
+        // The same writes through a prepared set of n destinations (the proxy's way).
+        done.store(0, Ordering::Release);
+        let prepared = writer.prepare_scatter(h, &vec![desc.clone(); n]).unwrap();
+        let slices: Vec<ScatterSlice> = (0..n)
+            .map(|i| ScatterSlice { dst: i, src_offset: i as u64 * SLICE, len: 64, dst_offset: i as u64 * SLICE })
+            .collect();
+        report(
+            format!("prepared_scatter {n}"),
+            n,
+            time_calls(args.calls, &d.clone(), || {
+                let on_done = counting(&done);
+                writer.submit_prepared_scatter(&prepared, &slices, Some(9), ScatterSharding::ByPeer, on_done).unwrap();
             }),
         );
     }

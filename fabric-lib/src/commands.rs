@@ -29,6 +29,36 @@ pub(crate) struct Target {
 
 /// A request's peers: inline for one (a single or paged write, an immediate).
 pub(crate) type Targets = smallvec::SmallVec<[Target; 1]>;
+
+/// A request's peers as the worker gets them: its own, or the shared list of a prepared
+/// scatter (built once; a call moves one reference, not a target per peer).
+pub(crate) enum TargetList {
+    Own(Targets),
+    Shared(Arc<[Target]>),
+}
+
+impl Default for TargetList {
+    fn default() -> Self {
+        TargetList::Own(Targets::new())
+    }
+}
+
+impl From<Targets> for TargetList {
+    fn from(targets: Targets) -> Self {
+        TargetList::Own(targets)
+    }
+}
+
+impl std::ops::Deref for TargetList {
+    type Target = [Target];
+
+    fn deref(&self) -> &[Target] {
+        match self {
+            TargetList::Own(t) => t,
+            TargetList::Shared(t) => t,
+        }
+    }
+}
 /// A request's writes: inline for two (a small write, or one sharded over two domains).
 pub(crate) type Shards = smallvec::SmallVec<[Shard; 2]>;
 
@@ -36,7 +66,7 @@ pub(crate) type Shards = smallvec::SmallVec<[Shard; 2]>;
 /// allocation of their own: they are planned on the caller's thread and freed on the worker's.
 pub(crate) struct Transfer {
     pub region: u64,
-    pub targets: Targets,
+    pub targets: TargetList,
     pub shards: Shards,
     pub deferred: Vec<DeferredImm>,
     pub on_done: Notify,

@@ -40,7 +40,7 @@ pub use completion::OnDone;
 pub use config::{EngineConfig, GpuRegistration, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
-pub use engine::{DomainStats, MrHandle, RegisterOptions, TransferEngine, Trigger};
+pub use engine::{DomainStats, MrHandle, PreparedScatter, RegisterOptions, TransferEngine, Trigger};
 pub use epoch::Readmission;
 pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};
@@ -48,6 +48,7 @@ pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
 pub use latency_probe::{monotonic_ns, LatencyProbe, Stage};
 pub use provider::libfabric::{list_providers, DomainSpec, NicRegistration, ProviderSpec};
 pub use requests::{
-    PagedReadRequest, PagedWriteRequest, PeerGroup, ReadRequest, ScatterSharding, ScatterTarget, WriteRequest,
+    PagedReadRequest, PagedWriteRequest, PeerGroup, ReadRequest, ScatterSharding, ScatterSlice, ScatterTarget,
+    WriteRequest,
 };
 pub use sharding::DomainChoice;

@@ -72,6 +72,17 @@ pub struct ScatterTarget<'a> {
     pub dst_offset: u64,
 }
 
+/// One slice of a prepared scatter (see [`crate::TransferEngine::submit_prepared_scatter`]):
+/// `len` bytes from `src_offset` of the source into destination `dst` (its index in the
+/// prepared list) at `dst_offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScatterSlice {
+    pub dst: usize,
+    pub src_offset: u64,
+    pub len: u64,
+    pub dst_offset: u64,
+}
+
 /// How a scatter is spread over domains.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScatterSharding {

@@ -15,7 +15,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::callback::CallbackQueue;
 use crate::commands::{
-    Command, RecvCallback, SameHostTransfer, SendCommand, Target, Targets, Transfer, SCRATCH_REGION,
+    Command, RecvCallback, SameHostTransfer, SendCommand, Target, TargetList, Transfer, SCRATCH_REGION,
 };
 use crate::completion::{Notify, OnDone};
 use crate::config::{deadline_after, EngineConfig, PollMode};
@@ -91,7 +91,7 @@ struct Request {
     /// Immediates to send once every data shard was delivered, with their resolved targets.
     deferred: Vec<(DeferredImm, u64, u64, u64)>,
     /// The peers it writes to or sends to (moved in, not copied): fenced if it times out.
-    peers: Targets,
+    peers: TargetList,
     /// A same-host immediate for the peer's inbox, pushed once the data is visible.
     inbox_imm: Option<inbox::InboxPush>,
 }
@@ -520,7 +520,7 @@ impl Worker {
             error: None,
             on_done,
             deferred: Vec::new(),
-            peers: Targets::new(),
+            peers: TargetList::default(),
             inbox_imm: None,
         };
         self.requests.insert(id, request);
@@ -544,7 +544,7 @@ impl Worker {
     }
 
     /// Keeps a request's peers, to fence them if it times out.
-    fn keep_peers(&mut self, request: u64, peers: Targets) {
+    fn keep_peers(&mut self, request: u64, peers: TargetList) {
         if let Some(req) = self.requests.get_mut(&request) {
             req.peers = peers;
         }
@@ -682,7 +682,7 @@ impl Worker {
         }
         match self.domains[0].domain.resolve_peer(&target.addresses[0]) {
             Ok(dest) => {
-                self.keep_peers(id, smallvec::smallvec![target]);
+                self.keep_peers(id, TargetList::Own(smallvec::smallvec![target]));
                 self.queue_send(id, dest, data, None)
             }
             Err(e) => self.finish(id, Err(e)),
@@ -1152,7 +1152,7 @@ impl Worker {
             self.deadlines.pop_front();
             if let Some(req) = self.requests.remove(&id) {
                 self.purge_pending(id);
-                for peer in &req.peers {
+                for peer in req.peers.iter() {
                     self.fence(&peer.addresses);
                 }
                 let timeout = self.transfer_timeout;

@@ -14,6 +14,11 @@
 //!
 //!     cargo bench -p p2p-all-to-all --bench proxy_costs -- [--provider tcp] [--worlds 2,4,8]
 //!         [--calls 300] [--proxy-cpus 2,3,4,5] [--json-out proxy_costs.json]
+/// Small requests are allocated on the caller's thread and freed on the worker's: mimalloc frees
+/// them without the system allocator's cross-thread cost.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "../tests/host_ranks/mod.rs"]
 mod host_ranks;
 

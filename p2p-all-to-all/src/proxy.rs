@@ -30,16 +30,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fabric_lib::{
-    CompletionCounter, DomainChoice, MrDescriptor, MrHandle, ScatterSharding, ScatterTarget, TransferEngine,
-    WriteRequest,
+    CompletionCounter, DomainChoice, MrDescriptor, MrHandle, PreparedScatter, ScatterSharding, ScatterSlice,
+    TransferEngine, WriteRequest,
 };
 use parking_lot::Mutex;
 
 use crate::proxy_block::BlockLayout;
-use crate::remote::{
-    combine_segment_at_expert, combine_segment_at_source, decode_counts, encode_counts, imm, overflow_offset, Counts,
-    ImmKind, RemoteLayout, Topology,
-};
+use crate::remote::{decode_counts, encode_counts, imm, overflow_offset, Counts, ImmKind, RemoteLayout, Topology};
 
 /// Where one rank's regions are, as its peers need them.
 #[derive(Debug, Clone)]
@@ -179,7 +176,7 @@ impl Proxy {
             return Err(crate::error::invalid!("{} peer regions for a world of {}", peers.len(), cfg.topo.world));
         }
         let shared = Arc::new(Shared::default());
-        let state = State::new(engine.clone(), cfg, local, peers, shared.clone());
+        let state = State::new(engine.clone(), cfg, local, peers, shared.clone())?;
         let thread = std::thread::Builder::new()
             .name("a2a-proxy".into())
             .spawn(move || state.run())
@@ -252,10 +249,70 @@ struct State {
     /// Counts of the dispatch of each parity, and which dispatch they are (0: none).
     counts: [Counts; 2],
     counts_seq: [u64; 2],
+    /// Per parity, `rank_rows[p][s][d]`: the rows source `s` sends rank `d` (`Counts::rows`).
+    rank_rows: [Vec<Vec<u32>>; 2],
     dispatch: DispatchCall,
     combine: CombineCall,
     writes: Arc<CompletionCounter>,
     remote: Vec<usize>,
+    scatters: Scatters,
+}
+
+/// Which of the proxy's scatters a post belongs to.
+#[derive(Clone, Copy, Debug)]
+enum Set {
+    Counts,
+    Dispatch,
+    Combine,
+}
+
+/// The proxy's three scatters, their destinations checked once (see
+/// `TransferEngine::prepare_scatter`): count messages to every other rank, dispatch data and
+/// combine rows to every remote rank. A slice names its rank's index in the set.
+struct Scatters {
+    counts: Option<PreparedScatter>,
+    dispatch: Option<PreparedScatter>,
+    combine: Option<PreparedScatter>,
+    /// Rank → index in `counts` (every rank but this one).
+    count_index: Vec<usize>,
+    /// Rank → index in `dispatch` and `combine` (the remote ranks).
+    remote_index: Vec<usize>,
+}
+
+impl Scatters {
+    fn new(
+        engine: &TransferEngine,
+        me: usize,
+        local: &LocalRegions,
+        peers: &[PeerRegions],
+        remote: &[usize],
+    ) -> crate::Result<Self> {
+        let others: Vec<usize> = (0..peers.len()).filter(|&r| r != me).collect();
+        let index = |ranks: &[usize]| {
+            let mut at = vec![usize::MAX; peers.len()];
+            for (i, &r) in ranks.iter().enumerate() {
+                at[r] = i;
+            }
+            at
+        };
+        let descriptors = |ranks: &[usize], pick: fn(&PeerRegions) -> &MrDescriptor| -> Vec<MrDescriptor> {
+            ranks.iter().map(|&r| pick(&peers[r]).clone()).collect()
+        };
+        // No ranks (one NVLink domain): nothing to prepare.
+        let prepare = |src, ranks: &[usize], pick| -> crate::Result<Option<PreparedScatter>> {
+            if ranks.is_empty() {
+                return Ok(None);
+            }
+            Ok(Some(engine.prepare_scatter(src, &descriptors(ranks, pick))?))
+        };
+        Ok(Scatters {
+            counts: prepare(local.block, &others, |p| &p.block)?,
+            dispatch: prepare(local.dsend, remote, |p| &p.drecv)?,
+            combine: prepare(local.csend, remote, |p| &p.crecv)?,
+            count_index: index(&others),
+            remote_index: index(remote),
+        })
+    }
 }
 
 impl State {
@@ -265,12 +322,13 @@ impl State {
         local: LocalRegions,
         peers: Vec<PeerRegions>,
         shared: Arc<Shared>,
-    ) -> Self {
+    ) -> crate::Result<Self> {
         let w = cfg.topo.world;
         let block = BlockLayout::new(&cfg.layout);
-        let remote = (0..w).filter(|&r| cfg.topo.is_remote(cfg.rank, r)).collect();
+        let remote: Vec<usize> = (0..w).filter(|&r| cfg.topo.is_remote(cfg.rank, r)).collect();
+        let scatters = Scatters::new(&engine, cfg.rank, &local, &peers, &remote)?;
         let e = cfg.layout.num_experts;
-        State {
+        Ok(State {
             engine,
             block,
             local,
@@ -278,12 +336,14 @@ impl State {
             shared,
             counts: [Counts::new(w, e), Counts::new(w, e)],
             counts_seq: [0, 0],
+            rank_rows: [vec![vec![0; w]; w], vec![vec![0; w]; w]],
             dispatch: DispatchCall::new(1, w),
             combine: CombineCall { n: 1, posted: false, got: vec![false; w] },
             writes: CompletionCounter::new(),
             remote,
+            scatters,
             cfg,
-        }
+        })
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
@@ -372,38 +432,53 @@ impl State {
         }
     }
 
-    /// One request writing `(src_offset, len, dst, dst_offset)` per target from `src`, each
+    /// One request writing `(rank, src_offset, len, dst_offset)` per target of `set`, each
     /// target's receiver counting `imm` once. Returns when it was handed to the engine (None:
     /// no targets).
-    fn scatter(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) -> Option<Instant> {
+    fn scatter(&self, set: Set, targets: &[(usize, usize, usize, usize)], imm: u32) -> Option<Instant> {
         if targets.is_empty() {
             return None;
         }
-        let targets: Vec<ScatterTarget<'_>> = targets
+        let (prepared, index) = match set {
+            Set::Counts => (&self.scatters.counts, &self.scatters.count_index),
+            Set::Dispatch => (&self.scatters.dispatch, &self.scatters.remote_index),
+            Set::Combine => (&self.scatters.combine, &self.scatters.remote_index),
+        };
+        let Some(prepared) = prepared else {
+            self.fail(format!("no prepared scatter for {set:?}"));
+            return None;
+        };
+        let slices: Vec<ScatterSlice> = targets
             .iter()
-            .map(|&(src_offset, len, dst, dst_offset)| ScatterTarget {
-                len: len as u64,
+            .map(|&(rank, src_offset, len, dst_offset)| ScatterSlice {
+                dst: index[rank],
                 src_offset: src_offset as u64,
-                dst,
+                len: len as u64,
                 dst_offset: dst_offset as u64,
             })
             .collect();
         let on_done = self.writes.on_done();
-        if let Err(e) = self.engine.submit_scatter(None, src, &targets, Some(imm), ScatterSharding::ByBytes, on_done) {
+        let sharding = ScatterSharding::ByBytes;
+        if let Err(e) = self.engine.submit_prepared_scatter(prepared, &slices, Some(imm), sharding, on_done) {
             self.fail(format!("posting a scatter to {} ranks: {e}", targets.len()));
         }
         Some(Instant::now())
     }
 
-    /// Posts `(src_offset, len, dst, dst_offset)` per target from `src`, each target's receiver
+    /// Posts `(rank, src_offset, len, dst_offset)` per target of `set`, each target's receiver
     /// counting `imm` once: one scatter with `scatter_data`, else one write each (a zero-length
     /// target: the immediate alone). Returns when the first one was handed to the engine.
-    fn post(&self, src: MrHandle, targets: &[(usize, usize, &MrDescriptor, usize)], imm: u32) -> Option<Instant> {
+    fn post(&self, set: Set, targets: &[(usize, usize, usize, usize)], imm: u32) -> Option<Instant> {
         if self.cfg.scatter_data {
-            return self.scatter(src, targets, imm);
+            return self.scatter(set, targets, imm);
         }
         let mut first = None;
-        for &(src_offset, len, dst, dst_offset) in targets {
+        for &(rank, src_offset, len, dst_offset) in targets {
+            let (src, dst) = match set {
+                Set::Counts => (self.local.block, &self.peers[rank].block),
+                Set::Dispatch => (self.local.dsend, &self.peers[rank].drecv),
+                Set::Combine => (self.local.csend, &self.peers[rank].crecv),
+            };
             if len > 0 {
                 self.write(src, src_offset, len, dst, dst_offset, imm);
             } else {
@@ -419,6 +494,17 @@ impl State {
         if let Err(e) = self.engine.submit_imm(imm, dst, counter.on_done()) {
             self.fail(format!("posting an immediate: {e}"));
         }
+    }
+
+    /// Keeps rank `s`'s counts of parity `p`, and the rows it sends each rank (what the
+    /// combine's segment offsets are sums of: computed here, off the combine's path).
+    fn store_counts(&mut self, p: usize, s: usize, tok: Vec<u32>, hist: Vec<u32>) {
+        let per_rank = hist.len() / tok.len().max(1);
+        for (d, experts) in hist.chunks(per_rank.max(1)).enumerate().take(tok.len()) {
+            self.rank_rows[p][s][d] = experts.iter().sum();
+        }
+        self.counts[p].tok[s] = tok;
+        self.counts[p].hist[s] = hist;
     }
 
     fn dispatch_step(&mut self) -> bool {
@@ -441,11 +527,9 @@ impl State {
             self.put_bytes(self.block.msg_out_at(p), &msg);
             // One scatter: the same message to every other rank.
             let (src, len, dst) = (self.block.msg_out_at(p), self.block.msg_bytes, self.block.msg_in_at(p, me));
-            let targets: Vec<_> = (0..w).filter(|&r| r != me).map(|r| (src, len, &self.peers[r].block, dst)).collect();
-            let first = self.scatter(self.local.block, &targets, imm(ImmKind::Counts, n as u32, me));
-            let c = &mut self.counts[p];
-            c.tok[me] = tok;
-            c.hist[me] = hist;
+            let targets: Vec<_> = (0..w).filter(|&r| r != me).map(|r| (r, src, len, dst)).collect();
+            let first = self.post(Set::Counts, &targets, imm(ImmKind::Counts, n as u32, me));
+            self.store_counts(p, me, tok, hist);
             self.counts_seq[p] = 0;
             let d = &mut self.dispatch;
             d.started = true;
@@ -468,8 +552,7 @@ impl State {
                 self.fail(format!("rank {s}'s count message is for dispatch {seq}, expected {n}"));
                 return true;
             }
-            self.counts[p].tok[s] = tok;
-            self.counts[p].hist[s] = hist;
+            self.store_counts(p, s, tok, hist);
             self.dispatch.known[s] = true;
             progressed = true;
         }
@@ -484,10 +567,10 @@ impl State {
                 .filter(|&(_, records)| records > 0)
                 .map(|(d, records)| {
                     let dst = lay.private_offset(p, me, 0);
-                    (lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, &self.peers[d].drecv, dst)
+                    (d, lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, dst)
                 })
                 .collect();
-            let first = self.post(self.local.dsend, &targets, tag);
+            let first = self.post(Set::Dispatch, &targets, tag);
             self.dispatch.sample.data_writes += targets.len() as u32;
             let sample = &mut self.dispatch.sample;
             sample.signal_to_first_write_ns = first.map_or(0, |t| (t - signal).as_nanos() as u64);
@@ -592,20 +675,26 @@ impl State {
             }
             let signal = Instant::now();
             let lay = self.cfg.layout;
-            let c = &self.counts[dp];
+            let rows = &self.rank_rows[dp];
             let tag = imm(ImmKind::Combine, cn as u32, me);
-            // Every remote rank hears from this one: its rows, or the immediate alone.
+            // Every remote rank hears from this one: its rows, or the immediate alone. Segments
+            // as `combine_segment_at_expert` / `_at_source` place them, from the per-rank totals:
+            // here the remote sources before `s` (a running sum over `remote`, ascending).
+            let mut at_expert = 0;
             let targets: Vec<_> = self
                 .remote
                 .iter()
                 .map(|&s| {
-                    let rows = c.rows(s, me);
-                    let src = lay.csend_offset(cp, combine_segment_at_expert(c, &self.cfg.topo, s, me));
-                    let dst = lay.crecv_offset(cp, combine_segment_at_source(c, &self.cfg.topo, s, me));
-                    (src, rows * lay.row_bytes, &self.peers[s].crecv, dst)
+                    let n_rows = rows[s][me] as usize;
+                    let at_source: usize =
+                        (0..me).filter(|&x| self.cfg.topo.is_remote(s, x)).map(|x| rows[s][x] as usize).sum();
+                    let target =
+                        (s, lay.csend_offset(cp, at_expert), n_rows * lay.row_bytes, lay.crecv_offset(cp, at_source));
+                    at_expert += n_rows;
+                    target
                 })
                 .collect();
-            let first = self.post(self.local.csend, &targets, tag);
+            let first = self.post(Set::Combine, &targets, tag);
             let peers = self.remote.len() as u32;
             push(
                 &self.shared.combine,

@@ -18,7 +18,7 @@ fn everything_remote_over_tcp_with_overflow() {
         skew: false,
         dies: None,
         fence: true,
-        scatter: false, // one write per remote rank (the GPU-buffer path)
+        scatter: false, // one write per remote rank (scatter_data off)
         ..Default::default()
     };
     all_ok(run(sc), 12);

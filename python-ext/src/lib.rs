@@ -2,6 +2,11 @@
 //! error mapping live here; the logic is in the `fabric-lib` crate.
 use pyo3::prelude::*;
 
+/// Small requests are allocated on the caller's thread and freed on the worker's: mimalloc frees
+/// them without the system allocator's cross-thread cost.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod all_to_all;
 mod callbacks;
 mod completion;

@@ -60,7 +60,7 @@ impl TransferEngine {
             })
             .collect();
         let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
-        Command::Transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done })
+        Command::Transfer(Transfer { region: SCRATCH_REGION, targets: targets.into(), shards, deferred, on_done })
     }
 
     /// Registers a set of peer engines for scatters and barriers.

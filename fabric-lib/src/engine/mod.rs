@@ -54,8 +54,12 @@ pub(crate) struct RegionInfo {
     pub nic: Option<crate::provider::libfabric::NicRegistration>,
 }
 
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
 /// Moves memory to and from peers; see the crate docs.
 pub struct TransferEngine {
+    /// Unique in this process: ties prepared scatters to the engine that checked them.
+    id: u64,
     config: EngineConfig,
     address: EngineAddress,
     domain_names: Vec<String>,
@@ -122,6 +126,7 @@ impl TransferEngine {
         };
         Ok(TransferEngine {
             config,
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
             address,
             domain_names: info.domains.into_iter().map(|(name, _, _)| name).collect(),
             commands,
@@ -319,6 +324,7 @@ mod immediates;
 mod memory;
 mod messages;
 mod pages;
+mod prepared;
 mod reads;
 mod routing;
 mod scatter;
@@ -326,4 +332,5 @@ mod signals;
 mod triggers;
 mod writes;
 
+pub use prepared::PreparedScatter;
 pub use triggers::Trigger;

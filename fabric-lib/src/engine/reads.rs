@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::pages::{check_page_lists, check_page_range};
 use super::routing::Route;
 use super::{MrHandle, RegionInfo, TransferEngine};
-use crate::commands::{Command, Shards, Target, Transfer};
+use crate::commands::{Command, Shards, Target, TargetList, Transfer};
 use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
@@ -163,7 +163,7 @@ impl TransferEngine {
     fn submit_read_shards(&self, dst: MrHandle, target: Target, shards: Shards, on_done: Notify) -> Result<()> {
         self.command(Command::Read(Transfer {
             region: dst.0,
-            targets: smallvec::smallvec![target],
+            targets: TargetList::Own(smallvec::smallvec![target]),
             shards,
             deferred: Vec::new(),
             on_done,

@@ -129,26 +129,38 @@ impl TransferEngine {
         sharding: ScatterSharding,
         on_done: Notify,
     ) -> Transfer {
+        let slices = targets.iter().enumerate().map(|(p, (t, _))| (p, t.src_offset, t.len, t.dst_offset));
+        let (shards, deferred) = self.plan_scatter_shards(slices, &vec![imm; targets.len()], sharding);
+        let resolved: Targets = targets.into_iter().map(|(_, target)| target).collect();
+        Transfer { region: src.0, targets: resolved.into(), shards, deferred, on_done }
+    }
+
+    /// The shards of `(peer, src_offset, len, dst_offset)` slices and the immediates deferred
+    /// after them (`imm_per_peer`: what each peer's receiver counts once, if anything).
+    pub(super) fn plan_scatter_shards(
+        &self,
+        slices: impl ExactSizeIterator<Item = (usize, u64, u64, u64)>,
+        imm_per_peer: &[Option<u32>],
+        sharding: ScatterSharding,
+    ) -> (Shards, Vec<crate::sharding::DeferredImm>) {
         let n = self.num_domains();
-        let start = self.rotate(targets.len());
-        let mut resolved = Targets::with_capacity(targets.len());
-        let mut shards = Shards::with_capacity(targets.len());
-        for (p, (t, target)) in targets.into_iter().enumerate() {
-            resolved.push(target);
+        let start = self.rotate(slices.len());
+        let mut shards = Shards::with_capacity(slices.len());
+        for (i, (peer, src_offset, len, dst_offset)) in slices.enumerate() {
             let pieces = match sharding {
-                ScatterSharding::ByPeer => smallvec::smallvec![((start + p) % n, 0, t.len)],
-                ScatterSharding::ByBytes => split_bytes(t.len, n, n, start + p, self.config().shard_min_bytes),
+                ScatterSharding::ByPeer => smallvec::smallvec![((start + i) % n, 0, len)],
+                ScatterSharding::ByBytes => split_bytes(len, n, n, start + i, self.config().shard_min_bytes),
             };
             shards.extend(pieces.into_iter().map(|(domain, off, len)| Shard {
-                peer: p as u32,
+                peer: peer as u32,
                 domain: domain as u16,
-                src_offset: t.src_offset + off,
+                src_offset: src_offset + off,
                 len,
-                dst_offset: t.dst_offset + off,
+                dst_offset: dst_offset + off,
                 imm: None,
             }));
         }
-        let deferred = plan_imms(&mut shards, &vec![imm; resolved.len()]);
-        Transfer { region: src.0, targets: resolved, shards, deferred, on_done }
+        let deferred = plan_imms(&mut shards, imm_per_peer);
+        (shards, deferred)
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::pages::{check_page_lists, check_page_range};
 use super::routing::{Route, StagedRoute};
 use super::{MrHandle, TransferEngine};
-use crate::commands::{Command, SameHostTransfer, Shards, StagedTransfer, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, SameHostTransfer, Shards, StagedTransfer, TargetList, Transfer, SCRATCH_REGION};
 use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
@@ -91,7 +91,7 @@ impl TransferEngine {
         let deferred = plan_imms(&mut shards, &[req.imm]);
         Ok(Command::Transfer(Transfer {
             region: req.src.0,
-            targets: smallvec::smallvec![target],
+            targets: TargetList::Own(smallvec::smallvec![target]),
             shards,
             deferred,
             on_done,
@@ -161,7 +161,7 @@ impl TransferEngine {
         let deferred = plan_imms(&mut shards, &[req.imm]);
         self.submit_transfer(Transfer {
             region: req.src.0,
-            targets: smallvec::smallvec![target],
+            targets: TargetList::Own(smallvec::smallvec![target]),
             shards,
             deferred,
             on_done: Notify::Callback(on_done),
@@ -206,7 +206,13 @@ impl TransferEngine {
                 None => Shards::new(),
             };
             let deferred = plan_imms(&mut shards, &[imm]);
-            return Ok(Command::Transfer(Transfer { region: SCRATCH_REGION, targets, shards, deferred, on_done }));
+            return Ok(Command::Transfer(Transfer {
+                region: SCRATCH_REGION,
+                targets: targets.into(),
+                shards,
+                deferred,
+                on_done,
+            }));
         }
         let StagedRoute { bounce, target, dest } = route;
         Ok(Command::Staged(StagedTransfer { region: src.0, bounce, target, dest, pieces, imm, on_done }))

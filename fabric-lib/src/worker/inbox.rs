@@ -110,7 +110,7 @@ impl Worker {
                 self.requests.get_mut(&id).expect("live request").deferred = vec![(d, dest, key, remote_base)];
             }
         }
-        self.keep_peers(id, smallvec::smallvec![target]);
+        self.keep_peers(id, smallvec::smallvec![target].into());
         Ok(())
     }
 

@@ -267,7 +267,7 @@ impl Worker {
         }
         match self.plan_staged(id, region, bounce, &target, dest, pieces, imm) {
             Ok(job) => {
-                self.keep_peers(id, smallvec::smallvec![target]);
+                self.keep_peers(id, smallvec::smallvec![target].into());
                 self.track_region(region, 1);
                 StagingCounters::add(&self.staged.counters.requests_sent, 1);
                 self.staged.writes.insert(id, job);
