@@ -13,7 +13,11 @@
 //! rank is remote.
 //!
 //!     cargo bench -p p2p-all-to-all --bench proxy_costs -- [--provider tcp] [--worlds 2,4,8]
-//!         [--calls 300] [--proxy-cpus 2,3,4,5] [--json-out proxy_costs.json]
+//!         [--calls 300] [--proxy-cpus 2,3,4,5] [--poll adaptive|busy] [--json-out proxy_costs.json]
+//!
+//! `--poll busy` keeps every engine worker polling (give each a core: a rank then has three
+//! spinning threads); the default lets idle workers sleep, and a call to a sleeping worker pays
+//! its wake-up.
 /// Small requests are allocated on the caller's thread and freed on the worker's: mimalloc frees
 /// them without the system allocator's cross-thread cost.
 #[global_allocator]
@@ -32,6 +36,7 @@ struct Args {
     calls: u64,
     private_tokens: usize,
     proxy_cpus: Option<Vec<usize>>,
+    busy_workers: bool,
     json_out: Option<String>,
 }
 
@@ -46,6 +51,7 @@ fn parse_args() -> Args {
         calls: 300,
         private_tokens: 8,
         proxy_cpus: None,
+        busy_workers: false,
         json_out: None,
     };
     let mut it = std::env::args().skip(1);
@@ -60,9 +66,16 @@ fn parse_args() -> Args {
             "--calls" => args.calls = value.parse().expect("--calls: a number"),
             "--private-tokens" => args.private_tokens = value.parse().expect("--private-tokens: a number"),
             "--proxy-cpus" => args.proxy_cpus = Some(list(&value, "--proxy-cpus")),
+            "--poll" => {
+                args.busy_workers = match value.as_str() {
+                    "busy" => true,
+                    "adaptive" => false,
+                    _ => panic!("--poll: busy or adaptive"),
+                }
+            }
             "--json-out" => args.json_out = Some(value),
             other => panic!(
-                "unknown flag {other} (--provider, --worlds, --calls, --private-tokens, --proxy-cpus, --json-out)"
+                "unknown flag {other} (--provider, --worlds, --calls, --private-tokens, --proxy-cpus, --poll, --json-out)"
             ),
         }
     }
@@ -86,8 +99,11 @@ fn since(from: Instant, to: Option<Instant>) -> Option<f64> {
 fn main() {
     let args = parse_args();
     println!(
-        "{}: proxy costs per world size, {} calls, private quota {}",
-        args.provider, args.calls, args.private_tokens
+        "{}: proxy costs per world size, {} calls, private quota {}, workers poll {}",
+        args.provider,
+        args.calls,
+        args.private_tokens,
+        if args.busy_workers { "busily" } else { "adaptively" }
     );
     println!("{:<48} {:>9} {:>9} {:>8}", "", "p50", "p99", "samples");
     let mut worlds_json = Vec::new();
@@ -106,6 +122,7 @@ fn main() {
             proxy_cpus: args.proxy_cpus.as_ref().map(|c| (0..world).map(|r| c[r % c.len()]).collect()),
             // As the all-to-all runs it: the proxy spins through the gaps between calls.
             proxy_idle_spin: Some(Duration::from_millis(50)),
+            busy_workers: args.busy_workers,
         };
         let Some(results) = run(sc) else {
             println!("provider {provider} is not available here");
@@ -156,8 +173,9 @@ fn main() {
     }
     if let Some(path) = &args.json_out {
         let json = format!(
-            "{{\"provider\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \"worlds\": [{}]}}\n",
+            "{{\"provider\": \"{}\", \"poll\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \"worlds\": [{}]}}\n",
             args.provider,
+            if args.busy_workers { "busy" } else { "adaptive" },
             args.calls,
             args.private_tokens,
             worlds_json.join(", ")

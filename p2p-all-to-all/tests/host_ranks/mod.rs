@@ -97,10 +97,11 @@ fn check(buf: &[u8], call: u64, src: usize, dst: usize, index: usize, what: &str
     assert!(buf == want.as_slice(), "{what}: call {call} {src}->{dst} #{index}: got words {:?}", &buf[..16]);
 }
 
-pub fn engine(provider: &str) -> Option<TransferEngine> {
+/// A rank's engine; `busy`: its worker polls without ever sleeping (a core of its own).
+pub fn engine(provider: &str, busy: bool) -> Option<TransferEngine> {
     let config = EngineConfig {
         provider: ProviderSpec::new(Some(provider), &[]),
-        poll_mode: PollMode::ADAPTIVE,
+        poll_mode: if busy { PollMode::Busy } else { PollMode::ADAPTIVE },
         transfer_timeout: Duration::from_secs(5),
         ..Default::default()
     };
@@ -144,6 +145,9 @@ pub struct Scenario {
     /// How long an idle proxy spins before it sleeps between polls (default 1 ms: the tests
     /// leave the CPUs to the other ranks).
     pub proxy_idle_spin: Option<Duration>,
+    /// Engine workers poll busily (else adaptively: they sleep after 200 µs idle, and a
+    /// request to a sleeping worker wakes it first).
+    pub busy_workers: bool,
 }
 
 /// When this rank's stand-in kernels raised the proxy block's words, per call.
@@ -180,7 +184,7 @@ impl Scenario {
 /// Every rank's outcome: Ok(calls done and what was measured) or the error that ended it.
 pub fn run(sc: Scenario) -> Option<Vec<Result<RankOutcome, String>>> {
     // Skip where this libfabric lacks the provider.
-    drop(engine(sc.provider)?);
+    drop(engine(sc.provider, sc.busy_workers)?);
     let topo = Topology::new(sc.world, sc.nvlink).unwrap();
     let lay = RemoteLayout::new(sc.world, sc.world * EXPERTS_PER_RANK, TOPK, MAX_TOKENS, sc.private_tokens, 64, 32);
     let regions: Arc<Mutex<Vec<Option<PeerRegions>>>> = Arc::new(Mutex::new(vec![None; sc.world]));
@@ -209,7 +213,7 @@ fn rank(
     let mut drecv = HostBuf::new(lay.drecv_bytes());
     let mut csend = HostBuf::new(lay.csend_bytes());
     let mut crecv = HostBuf::new(lay.crecv_bytes());
-    let engine = Arc::new(engine(sc.provider).unwrap());
+    let engine = Arc::new(engine(sc.provider, sc.busy_workers).unwrap());
     let reg = |b: &mut HostBuf| {
         // SAFETY: every buffer outlives the engine (the proxy, which holds it, is dropped first).
         unsafe { engine.register_memory(b.ptr(), b.len(), MemoryKind::Host) }.unwrap()
