@@ -19,6 +19,14 @@ pub(crate) enum Notify {
 }
 
 impl Notify {
+    /// As a callback (a counter's is bumped by whichever thread runs it).
+    pub fn into_callback(self) -> OnDone {
+        match self {
+            Notify::Callback(cb) => cb,
+            Notify::Counter(counter) => counter.on_done(),
+        }
+    }
+
     /// Reports `result` right here, on the calling thread (for requests failed outside the
     /// worker loop, e.g. drained from the command queue after the worker exited).
     pub fn now(self, result: Result<()>) {

@@ -11,8 +11,8 @@ use std::time::Duration;
 use common::{engine_if_available, register, Rng};
 use fabric_lib::staging::StagingConfig;
 use fabric_lib::{
-    EngineConfig, FabricError, MrHandle, PollMode, PreparedScatter, ProviderSpec, ScatterSharding, ScatterSlice,
-    TransferEngine,
+    CompletionCounter, EngineConfig, FabricError, MrHandle, PollMode, PreparedScatter, ProviderSpec, ScatterSharding,
+    ScatterSlice, TransferEngine,
 };
 
 const REGION: usize = 1 << 20;
@@ -38,6 +38,7 @@ fn random_calls(make: impl Fn() -> TransferEngine, sharding: ScatterSharding, se
     assert!(prepared.is_network() && prepared.len() == receivers.len());
     let mut expected: Vec<Vec<u8>> = dsts.clone();
     let (tx, rx) = mpsc::channel();
+    let counter = CompletionCounter::new();
     let mut cursor = vec![0usize; receivers.len()];
     for call in 0..12u32 {
         let imm = 100 + call;
@@ -58,8 +59,14 @@ fn random_calls(make: impl Fn() -> TransferEngine, sharding: ScatterSharding, se
                 dst_offset: dst_offset as u64,
             });
         }
-        a.submit_prepared_scatter(&prepared, &slices, Some(imm), sharding, done(&tx)).unwrap();
-        rx.recv_timeout(BOUND).expect("completion in time").expect("scatter ok");
+        // Odd calls report to a counter (the worker bumps it), even ones through a callback.
+        if call % 2 == 1 {
+            a.submit_prepared_scatter_counted(&prepared, &slices, Some(imm), sharding, &counter).unwrap();
+            counter.wait_for(u64::from(call / 2 + 1), BOUND).expect("counted completion in time");
+        } else {
+            a.submit_prepared_scatter(&prepared, &slices, Some(imm), sharding, done(&tx)).unwrap();
+            rx.recv_timeout(BOUND).expect("completion in time").expect("scatter ok");
+        }
         for (i, r) in receivers.iter().enumerate() {
             let named = slices.iter().any(|s| s.dst == i);
             if named {
@@ -74,6 +81,7 @@ fn random_calls(make: impl Fn() -> TransferEngine, sharding: ScatterSharding, se
         }
         assert!(dsts[i] == expected[i], "receiver {i}: every byte where its slice says, nothing else");
     }
+    assert_eq!((counter.done(), counter.failed()), (6, 0), "each counted call completed once, none failed");
     drop((prepared, a, receivers));
 }
 
@@ -179,8 +187,10 @@ fn staged_destinations_take_the_general_path() {
         ScatterSlice { dst: 0, src_offset: 0, len: 0, dst_offset: 0 },
         ScatterSlice { dst: 1, src_offset: 70_000, len: 20_000, dst_offset: 60_000 },
     ];
-    a.submit_prepared_scatter(&prepared, &both, Some(10), ScatterSharding::ByPeer, done(&tx)).unwrap();
-    rx.recv_timeout(BOUND).expect("completion in time").expect("scatter ok");
+    // Reported to a counter: once, after both parts (two worker requests on this path).
+    let counter = CompletionCounter::new();
+    a.submit_prepared_scatter_counted(&prepared, &both, Some(10), ScatterSharding::ByPeer, &counter).unwrap();
+    counter.wait_for(1, BOUND).expect("counted completion in time");
     for r in &rs {
         r.wait_imm_count(10, 1, BOUND).unwrap();
     }
@@ -190,5 +200,6 @@ fn staged_destinations_take_the_general_path() {
     assert_eq!(&dsts[1][3..50_003], &src[10..50_010]);
     assert_eq!(&dsts[1][60_000..80_000], &src[70_000..90_000]);
     assert!(dsts[0].iter().all(|&x| x == 0));
+    assert_eq!((counter.done(), counter.failed()), (1, 0), "the caller's completion ran exactly once");
     drop((a, rs, prepared));
 }

@@ -457,9 +457,10 @@ impl State {
                 dst_offset: dst_offset as u64,
             })
             .collect();
-        let on_done = self.writes.on_done();
         let sharding = ScatterSharding::ByBytes;
-        if let Err(e) = self.engine.submit_prepared_scatter(prepared, &slices, Some(imm), sharding, on_done) {
+        if let Err(e) =
+            self.engine.submit_prepared_scatter_counted(prepared, &slices, Some(imm), sharding, &self.writes)
+        {
             self.fail(format!("posting a scatter to {} ranks: {e}", targets.len()));
         }
         Some(Instant::now())

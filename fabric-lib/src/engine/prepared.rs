@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::routing::Route;
 use super::{MrHandle, TransferEngine};
 use crate::commands::{Target, TargetList, Transfer};
-use crate::completion::{Notify, OnDone};
+use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::requests::{ScatterSharding, ScatterSlice, ScatterTarget};
@@ -96,6 +96,30 @@ impl TransferEngine {
         sharding: ScatterSharding,
         on_done: OnDone,
     ) -> Result<()> {
+        self.prepared_scatter_notify(prepared, slices, imm, sharding, Notify::Callback(on_done))
+    }
+
+    /// [`TransferEngine::submit_prepared_scatter`] that reports to `counter`: the worker bumps
+    /// it directly (no callback-thread hop, nothing allocated for the completion).
+    pub fn submit_prepared_scatter_counted(
+        &self,
+        prepared: &PreparedScatter,
+        slices: &[ScatterSlice],
+        imm: Option<u32>,
+        sharding: ScatterSharding,
+        counter: &Arc<CompletionCounter>,
+    ) -> Result<()> {
+        self.prepared_scatter_notify(prepared, slices, imm, sharding, Notify::Counter(counter.clone()))
+    }
+
+    fn prepared_scatter_notify(
+        &self,
+        prepared: &PreparedScatter,
+        slices: &[ScatterSlice],
+        imm: Option<u32>,
+        sharding: ScatterSharding,
+        on_done: Notify,
+    ) -> Result<()> {
         if prepared.engine != self.id {
             return Err(FabricError::InvalidArgument("the prepared scatter belongs to another engine".into()));
         }
@@ -134,7 +158,8 @@ impl TransferEngine {
                         dst_offset: s.dst_offset,
                     })
                     .collect();
-                return self.submit_scatter(None, prepared.src, &targets, imm, sharding, on_done);
+                // Not the hot path: a counter is reported through a callback here.
+                return self.submit_scatter(None, prepared.src, &targets, imm, sharding, on_done.into_callback());
             }
         };
         // The source must still be registered (the worker checks it again when posting).
@@ -148,7 +173,7 @@ impl TransferEngine {
             targets: TargetList::Shared(targets.clone()),
             shards,
             deferred,
-            on_done: Notify::Callback(on_done),
+            on_done,
         })
     }
 }

@@ -30,6 +30,7 @@ impl TransferEngine {
         sharding: ScatterSharding,
         on_done: OnDone,
     ) -> Result<()> {
+        let on_done = Notify::Callback(on_done);
         if targets.is_empty() {
             return Err(FabricError::InvalidArgument("scatter with no targets".into()));
         }
@@ -55,10 +56,10 @@ impl TransferEngine {
                 Route::Network(target) => Some((t, target)),
                 _ => None,
             });
-            let transfer = self.plan_network_scatter(src, network.collect(), imm, sharding, Notify::Callback(on_done));
+            let transfer = self.plan_network_scatter(src, network.collect(), imm, sharding, on_done);
             return self.submit_transfer(transfer);
         }
-        let joined = Joined::new(Notify::Callback(on_done), self.callbacks.queue());
+        let joined = Joined::new(on_done, self.callbacks.queue());
         let commands = match self.plan_scatter_parts(src, targets, routes, imm, sharding, &joined) {
             Ok(commands) => commands,
             Err(e) => {
