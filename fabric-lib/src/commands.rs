@@ -59,6 +59,7 @@ impl std::ops::Deref for TargetList {
         }
     }
 }
+
 /// A request's writes: inline for two (a small write, or one sharded over two domains).
 pub(crate) type Shards = smallvec::SmallVec<[Shard; 2]>;
 

@@ -18,6 +18,7 @@
 //! `--poll busy` keeps every engine worker polling (give each a core: a rank then has three
 //! spinning threads); the default lets idle workers sleep, and a call to a sleeping worker pays
 //! its wake-up.
+
 /// Small requests are allocated on the caller's thread and freed on the worker's: mimalloc frees
 /// them without the system allocator's cross-thread cost.
 #[global_allocator]
@@ -36,7 +37,8 @@ struct Args {
     calls: u64,
     private_tokens: usize,
     proxy_cpus: Option<Vec<usize>>,
-    busy_workers: bool,
+    /// How the engine workers poll: "adaptive" or "busy".
+    poll: &'static str,
     json_out: Option<String>,
 }
 
@@ -51,7 +53,7 @@ fn parse_args() -> Args {
         calls: 300,
         private_tokens: 8,
         proxy_cpus: None,
-        busy_workers: false,
+        poll: "adaptive",
         json_out: None,
     };
     let mut it = std::env::args().skip(1);
@@ -67,9 +69,9 @@ fn parse_args() -> Args {
             "--private-tokens" => args.private_tokens = value.parse().expect("--private-tokens: a number"),
             "--proxy-cpus" => args.proxy_cpus = Some(list(&value, "--proxy-cpus")),
             "--poll" => {
-                args.busy_workers = match value.as_str() {
-                    "busy" => true,
-                    "adaptive" => false,
+                args.poll = match value.as_str() {
+                    "busy" => "busy",
+                    "adaptive" => "adaptive",
                     _ => panic!("--poll: busy or adaptive"),
                 }
             }
@@ -99,11 +101,8 @@ fn since(from: Instant, to: Option<Instant>) -> Option<f64> {
 fn main() {
     let args = parse_args();
     println!(
-        "{}: proxy costs per world size, {} calls, private quota {}, workers poll {}",
-        args.provider,
-        args.calls,
-        args.private_tokens,
-        if args.busy_workers { "busily" } else { "adaptively" }
+        "{}: proxy costs per world size, {} calls, private quota {}, workers poll: {}",
+        args.provider, args.calls, args.private_tokens, args.poll
     );
     println!("{:<48} {:>9} {:>9} {:>8}", "", "p50", "p99", "samples");
     let mut worlds_json = Vec::new();
@@ -122,7 +121,7 @@ fn main() {
             proxy_cpus: args.proxy_cpus.as_ref().map(|c| (0..world).map(|r| c[r % c.len()]).collect()),
             // As the all-to-all runs it: the proxy spins through the gaps between calls.
             proxy_idle_spin: Some(Duration::from_millis(50)),
-            busy_workers: args.busy_workers,
+            busy_workers: args.poll == "busy",
         };
         let Some(results) = run(sc) else {
             println!("provider {provider} is not available here");
@@ -175,7 +174,7 @@ fn main() {
         let json = format!(
             "{{\"provider\": \"{}\", \"poll\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \"worlds\": [{}]}}\n",
             args.provider,
-            if args.busy_workers { "busy" } else { "adaptive" },
+            args.poll,
             args.calls,
             args.private_tokens,
             worlds_json.join(", ")

@@ -266,6 +266,17 @@ enum Set {
     Combine,
 }
 
+impl Set {
+    /// The local region it writes from, and the peer region it writes into.
+    fn regions(self, local: &LocalRegions) -> (MrHandle, fn(&PeerRegions) -> &MrDescriptor) {
+        match self {
+            Set::Counts => (local.block, |p| &p.block),
+            Set::Dispatch => (local.dsend, |p| &p.drecv),
+            Set::Combine => (local.csend, |p| &p.crecv),
+        }
+    }
+}
+
 /// The proxy's three scatters, their destinations checked once (see
 /// `TransferEngine::prepare_scatter`): count messages to every other rank, dispatch data and
 /// combine rows to every remote rank. A slice names its rank's index in the set.
@@ -295,20 +306,19 @@ impl Scatters {
             }
             at
         };
-        let descriptors = |ranks: &[usize], pick: fn(&PeerRegions) -> &MrDescriptor| -> Vec<MrDescriptor> {
-            ranks.iter().map(|&r| pick(&peers[r]).clone()).collect()
-        };
         // No ranks (one NVLink domain): nothing to prepare.
-        let prepare = |src, ranks: &[usize], pick| -> crate::Result<Option<PreparedScatter>> {
+        let prepare = |set: Set, ranks: &[usize]| -> crate::Result<Option<PreparedScatter>> {
             if ranks.is_empty() {
                 return Ok(None);
             }
-            Ok(Some(engine.prepare_scatter(src, &descriptors(ranks, pick))?))
+            let (src, pick) = set.regions(local);
+            let dsts: Vec<MrDescriptor> = ranks.iter().map(|&r| pick(&peers[r]).clone()).collect();
+            Ok(Some(engine.prepare_scatter(src, &dsts)?))
         };
         Ok(Scatters {
-            counts: prepare(local.block, &others, |p| &p.block)?,
-            dispatch: prepare(local.dsend, remote, |p| &p.drecv)?,
-            combine: prepare(local.csend, remote, |p| &p.crecv)?,
+            counts: prepare(Set::Counts, &others)?,
+            dispatch: prepare(Set::Dispatch, remote)?,
+            combine: prepare(Set::Combine, remote)?,
             count_index: index(&others),
             remote_index: index(remote),
         })
@@ -474,12 +484,9 @@ impl State {
             return self.scatter(set, targets, imm);
         }
         let mut first = None;
+        let (src, pick) = set.regions(&self.local);
         for &(rank, src_offset, len, dst_offset) in targets {
-            let (src, dst) = match set {
-                Set::Counts => (self.local.block, &self.peers[rank].block),
-                Set::Dispatch => (self.local.dsend, &self.peers[rank].drecv),
-                Set::Combine => (self.local.csend, &self.peers[rank].crecv),
-            };
+            let dst = pick(&self.peers[rank]);
             if len > 0 {
                 self.write(src, src_offset, len, dst, dst_offset, imm);
             } else {
@@ -500,12 +507,12 @@ impl State {
     /// Keeps rank `s`'s counts of parity `p`, and the rows it sends each rank (what the
     /// combine's segment offsets are sums of: computed here, off the combine's path).
     fn store_counts(&mut self, p: usize, s: usize, tok: Vec<u32>, hist: Vec<u32>) {
-        let per_rank = hist.len() / tok.len().max(1);
-        for (d, experts) in hist.chunks(per_rank.max(1)).enumerate().take(tok.len()) {
-            self.rank_rows[p][s][d] = experts.iter().sum();
+        let c = &mut self.counts[p];
+        c.tok[s] = tok;
+        c.hist[s] = hist;
+        for (d, rows) in self.rank_rows[p][s].iter_mut().enumerate() {
+            *rows = c.rows(s, d) as u32;
         }
-        self.counts[p].tok[s] = tok;
-        self.counts[p].hist[s] = hist;
     }
 
     fn dispatch_step(&mut self) -> bool {
