@@ -36,6 +36,7 @@ const UNDELIVERED_LIMIT: usize = 4096;
 /// Contexts of completed posts kept for reuse (more are freed).
 const SPARE_CONTEXTS: usize = 4096;
 
+mod deadlines;
 mod epochs;
 mod inbox;
 mod reads;
@@ -249,7 +250,7 @@ struct Worker {
     /// made (or immediates it counts), they use a fast non-keyed hash.
     requests: FxHashMap<u64, Request>,
     next_request: u64,
-    deadlines: VecDeque<(Instant, u64)>,
+    deadlines: deadlines::Deadlines,
     /// Posts the provider pushed back on, per domain and destination, each in order. Keyed by
     /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
     /// posts to other peers.
@@ -268,6 +269,8 @@ struct Worker {
     spare_contexts: Vec<Box<OpContext>>,
     /// Immediates counted in this round, by (epoch tag, immediate).
     imm_batch: FxHashMap<(u32, u32), u32>,
+    /// `count_imm_batch`'s list of this round's arrivals, kept to save an allocation per round.
+    imm_arrivals: Vec<(u32, u32)>,
     stats: Arc<[DomainCounters]>,
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
@@ -348,13 +351,14 @@ impl Worker {
             max_message_size: config.max_message_size,
             requests: FxHashMap::default(),
             next_request: 1,
-            deadlines: VecDeque::new(),
+            deadlines: deadlines::Deadlines::default(),
             pending: (0..domains.len()).map(|_| FxHashMap::default()).collect(),
             waiting_sends: VecDeque::new(),
             outstanding: FxHashSet::default(),
             completions: Vec::with_capacity(crate::provider::libfabric::CQ_BATCH),
             spare_contexts: Vec::new(),
             imm_batch: FxHashMap::default(),
+            imm_arrivals: Vec::new(),
             done: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
             same_host: None,
@@ -370,7 +374,7 @@ impl Worker {
             readmits: HashMap::new(),
             received: ReceivedEpochs::default(),
             staged: staged::Staged::new(config)?,
-            triggers: HashMap::new(),
+            triggers: triggers::Triggers::default(),
             inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
             probe,
             yield_every: if crate::spin::spare_cores() { 64 } else { 1 },
@@ -524,7 +528,7 @@ impl Worker {
             inbox_imm: None,
         };
         self.requests.insert(id, request);
-        self.deadlines.push_back((deadline_after(self.transfer_timeout), id));
+        self.deadlines.push(deadline_after(self.transfer_timeout), id);
         id
     }
 
@@ -906,6 +910,11 @@ impl Worker {
                 }
             }
             self.completions = completions;
+            if !self.imm_batch.is_empty() {
+                // Count (and fire the triggers of) what this queue carried before polling
+                // anything else: an armed echo's pong leaves with no other work in between.
+                self.count_imm_batch();
+            }
         }
         if let Some(local) = self.same_host.as_mut() {
             let mut done = std::mem::take(&mut self.same_host_done);
@@ -1145,21 +1154,18 @@ impl Worker {
     fn expire_requests(&mut self) {
         let now = Instant::now();
         self.expire_readmits(now);
-        while let Some(&(deadline, id)) = self.deadlines.front() {
-            if deadline > now {
-                break;
+        while let Some(id) = self.deadlines.next_expired(now, |id| self.requests.contains_key(&id)) {
+            let req = self.requests.remove(&id).expect("live");
+            self.purge_pending(id);
+            for peer in req.peers.iter() {
+                self.fence(&peer.addresses);
             }
-            self.deadlines.pop_front();
-            if let Some(req) = self.requests.remove(&id) {
-                self.purge_pending(id);
-                for peer in req.peers.iter() {
-                    self.fence(&peer.addresses);
-                }
-                let timeout = self.transfer_timeout;
-                let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
-                self.notify(req.on_done, Err(e));
-            }
+            let timeout = self.transfer_timeout;
+            let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));
+            self.notify(req.on_done, Err(e));
         }
+        let requests = &self.requests;
+        self.deadlines.sweep(requests.len(), |id| requests.contains_key(&id));
     }
 
     /// Fails everything still in flight, closes the domains and frees leftover contexts.

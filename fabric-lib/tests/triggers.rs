@@ -205,6 +205,41 @@ fn a_trigger_that_times_out_fails_and_returns_its_arrivals() {
     assert_eq!(a.imm_count(1), 0, "nothing was posted");
 }
 
+/// The worker scans armed triggers for expiry only once the earliest deadline passed: a short
+/// timeout armed behind many long ones (and after a scan that found nothing due) still expires
+/// on time, and the long ones keep waiting and fire when their count is reached.
+#[test]
+fn a_short_trigger_armed_behind_long_ones_expires_on_time() {
+    let a = engine("tcp").unwrap();
+    let b = engine("tcp").unwrap();
+    let mut buf = vec![0u8; 64];
+    let (_, desc_a) = register(&a, &mut buf);
+    let long = Trigger { imm: 5, count: 1, timeout: Some(TIMEOUT * 3) };
+    let mut long_ones = Vec::new();
+    for _ in 0..1000 {
+        let (done, fired) = outcome();
+        b.arm_imm(long, 6, &desc_a, done).unwrap();
+        long_ones.push(fired);
+    }
+    std::thread::sleep(Duration::from_millis(50)); // idle polls: nothing due yet
+    let (done, short) = outcome();
+    let started = std::time::Instant::now();
+    b.arm_imm(Trigger { imm: 7, count: 1, timeout: Some(Duration::from_millis(200)) }, 8, &desc_a, done).unwrap();
+    let r = short.recv_timeout(TIMEOUT).expect("the short trigger ended");
+    assert!(matches!(r, Err(FabricError::Timeout(_))), "{r:?}");
+    assert!(started.elapsed() < TIMEOUT, "expired at its own deadline, not a long one's");
+    let mut buf_b = vec![0u8; 64];
+    let (_, desc_b) = register(&b, &mut buf_b);
+    for _ in 0..long_ones.len() {
+        a.submit_imm(5, &desc_b, Box::new(|r| r.unwrap())).unwrap();
+    }
+    for fired in long_ones {
+        fired.recv_timeout(TIMEOUT).unwrap().expect("a long trigger fired once counted");
+    }
+    a.wait_imm_count(6, 1000, TIMEOUT).unwrap();
+    assert_eq!(a.imm_count(8), 0, "the expired trigger posted nothing");
+}
+
 #[test]
 fn bad_triggered_requests_are_refused_when_armed_and_stop_fails_armed_ones() {
     let a = engine("tcp").unwrap();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, Receiver, SendTimeoutError, Sender};
+use crossbeam_channel::{bounded, Receiver, SendTimeoutError, Sender, TrySendError};
 use parking_lot::{Mutex, RwLock};
 
 use crate::address::{local_host_id, local_process_id, DomainAddress, EngineAddress};
@@ -236,13 +236,21 @@ impl TransferEngine {
         }
         // Before the send: the worker may take the command before send_timeout returns.
         self.probe.mark(Stage::Enqueued);
-        self.commands.send_timeout(cmd, self.config.command_timeout).map_err(|e| match e {
-            SendTimeoutError::Timeout(_) => FabricError::Timeout(format!(
-                "the worker's command queue stayed full for {:?}",
-                self.config.command_timeout
-            )),
-            SendTimeoutError::Disconnected(_) => FabricError::Stopped,
-        })?;
+        // A queue with room (the usual case) takes the command without reading the clock.
+        let cmd = match self.commands.try_send(cmd) {
+            Ok(()) => None,
+            Err(TrySendError::Full(cmd)) => Some(cmd),
+            Err(TrySendError::Disconnected(_)) => return Err(FabricError::Stopped),
+        };
+        if let Some(cmd) = cmd {
+            self.commands.send_timeout(cmd, self.config.command_timeout).map_err(|e| match e {
+                SendTimeoutError::Timeout(_) => FabricError::Timeout(format!(
+                    "the worker's command queue stayed full for {:?}",
+                    self.config.command_timeout
+                )),
+                SendTimeoutError::Disconnected(_) => FabricError::Stopped,
+            })?;
+        }
         if self.worker_exited.load(Ordering::Acquire) {
             // The worker may have drained the queue before this command arrived: fail what is
             // left (each command is received once, by the worker or here).

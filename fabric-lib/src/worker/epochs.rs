@@ -31,7 +31,8 @@ impl Worker {
     /// Applies this round's immediates: those of retired epochs are refused (counted as stale,
     /// logged), the rest go to the ImmCounter table and to their epoch's tally.
     pub(super) fn count_imm_batch(&mut self) {
-        let mut batch: Vec<(u32, u32)> = Vec::with_capacity(self.imm_batch.len());
+        let mut batch = std::mem::take(&mut self.imm_arrivals);
+        batch.clear();
         let mut stale = 0u64;
         for ((tag, imm), n) in self.imm_batch.drain() {
             if !self.wide_cq_data {
@@ -53,13 +54,14 @@ impl Worker {
             );
         }
         // Armed triggers take the arrivals they wait for before the table sees them.
-        let batch = self.feed_triggers(batch);
+        self.feed_triggers(&mut batch);
         if !batch.is_empty() {
             // Before the table: a polling waiter may return before add_batch does.
             self.probe.mark(crate::latency_probe::Stage::ImmCounted);
             let events = self.imm.add_batch(&batch);
             self.callbacks.push_imm_events(events);
         }
+        self.imm_arrivals = batch;
     }
 
     /// Lifts the fence on `peer`: where epochs are carried, after the handshake in which the

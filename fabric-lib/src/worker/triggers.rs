@@ -8,7 +8,7 @@
 //! armed, each consuming its `count`; arrivals no trigger needs go to the table as before. A
 //! trigger that times out fails its request with [`FabricError::Timeout`] and gives the arrivals
 //! it had consumed back to the table.
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use super::Worker;
@@ -27,7 +27,14 @@ pub(super) struct Armed {
 }
 
 /// Armed triggers, per immediate value in arming order.
-pub(super) type Triggers = std::collections::HashMap<u32, VecDeque<Armed>>;
+#[derive(Default)]
+pub(super) struct Triggers {
+    queues: HashMap<u32, VecDeque<Armed>>,
+    /// No armed trigger's deadline is earlier (an armed trigger may have fired since): the
+    /// expiry scan runs only once this passed, not on every idle poll of the worker, which may
+    /// hold thousands of armed triggers (an echo server arms one per expected ping).
+    next_deadline: Option<Instant>,
+}
 
 impl Worker {
     /// Arms a trigger; fires it at once if the table already counted enough.
@@ -35,48 +42,50 @@ impl Worker {
         let ArmCommand { imm, count, timeout, request } = a;
         // Earlier triggers of this value are served first: only an empty queue may take from
         // the table (arrivals counted there were not needed by any trigger).
-        let taken =
-            if self.triggers.get(&imm).is_none_or(|q| q.is_empty()) { self.imm.take_up_to(imm, count) } else { 0 };
+        let queues = &self.triggers.queues;
+        let taken = if queues.get(&imm).is_none_or(|q| q.is_empty()) { self.imm.take_up_to(imm, count) } else { 0 };
         if taken == count {
             return self.fire(*request);
         }
-        let armed = Armed { remaining: count - taken, taken, deadline: timeout.map(deadline_after), request: *request };
-        self.triggers.entry(imm).or_default().push_back(armed);
+        let deadline = timeout.map(deadline_after);
+        if let Some(d) = deadline {
+            let next = &mut self.triggers.next_deadline;
+            *next = Some(next.map_or(d, |n| n.min(d)));
+        }
+        let armed = Armed { remaining: count - taken, taken, deadline, request: *request };
+        self.triggers.queues.entry(imm).or_default().push_back(armed);
     }
 
-    /// Feeds a batch of arrivals to the armed triggers, posts the requests whose count was
-    /// reached, and returns the arrivals left for the table.
-    pub(super) fn feed_triggers(&mut self, batch: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
-        if self.triggers.is_empty() {
-            return batch;
+    /// Feeds a batch of arrivals to the armed triggers and posts the requests whose count was
+    /// reached; `batch` keeps the arrivals left for the table.
+    pub(super) fn feed_triggers(&mut self, batch: &mut Vec<(u32, u32)>) {
+        if self.triggers.queues.is_empty() {
+            return;
         }
-        let mut due = Vec::new();
-        let mut rest = Vec::with_capacity(batch.len());
-        for (imm, times) in batch {
-            let mut left = u64::from(times);
-            if let Some(queue) = self.triggers.get_mut(&imm) {
-                while left > 0 {
-                    let Some(front) = queue.front_mut() else { break };
-                    let used = front.remaining.min(left);
-                    front.remaining -= used;
-                    front.taken += used;
-                    left -= used;
-                    if front.remaining == 0 {
-                        due.push(queue.pop_front().expect("front exists").request);
-                    }
-                }
-                if queue.is_empty() {
-                    self.triggers.remove(&imm);
+        let mut due: smallvec::SmallVec<[Command; 1]> = smallvec::SmallVec::new();
+        let queues = &mut self.triggers.queues;
+        batch.retain_mut(|(imm, times)| {
+            let Some(queue) = queues.get_mut(imm) else { return true };
+            let mut left = u64::from(*times);
+            while left > 0 {
+                let Some(front) = queue.front_mut() else { break };
+                let used = front.remaining.min(left);
+                front.remaining -= used;
+                front.taken += used;
+                left -= used;
+                if front.remaining == 0 {
+                    due.push(queue.pop_front().expect("front exists").request);
                 }
             }
-            if left > 0 {
-                rest.push((imm, left as u32));
+            if queue.is_empty() {
+                queues.remove(imm);
             }
-        }
+            *times = left as u32;
+            left > 0
+        });
         for request in due {
             self.fire(request);
         }
-        rest
     }
 
     /// Posts a triggered request as if it had just arrived from the engine.
@@ -88,21 +97,26 @@ impl Worker {
 
     /// Fails triggers whose timeout passed; their consumed arrivals go back to the table.
     pub(super) fn expire_triggers(&mut self) {
-        if self.triggers.is_empty() {
+        let Some(next) = self.triggers.next_deadline else { return };
+        let now = Instant::now();
+        if next > now {
             return;
         }
-        let now = Instant::now();
         let mut expired = Vec::new();
-        self.triggers.retain(|&imm, queue| {
+        let mut next: Option<Instant> = None;
+        self.triggers.queues.retain(|&imm, queue| {
             queue.retain_mut(|a| {
                 let keep = a.deadline.is_none_or(|d| d > now);
                 if !keep {
                     expired.push((imm, a.taken, std::mem::replace(&mut a.request, Command::Stop)));
+                } else if let Some(d) = a.deadline {
+                    next = Some(next.map_or(d, |n| n.min(d)));
                 }
                 keep
             });
             !queue.is_empty()
         });
+        self.triggers.next_deadline = next;
         for (imm, taken, request) in expired {
             self.give_back(imm, taken);
             if let Some(on_done) = request.into_stopped() {
@@ -125,7 +139,7 @@ impl Worker {
     /// Fails every armed trigger (the worker is stopping).
     pub(super) fn fail_triggers(&mut self) {
         let triggers = std::mem::take(&mut self.triggers);
-        for request in triggers.into_values().flatten().map(|a| a.request) {
+        for request in triggers.queues.into_values().flatten().map(|a| a.request) {
             if let Some(on_done) = request.into_stopped() {
                 self.notify(on_done, Err(FabricError::Stopped));
             }
