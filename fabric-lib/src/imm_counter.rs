@@ -12,18 +12,22 @@
 //! - [`ImmCounterTable::remove`] forgets the value: its expectation is dropped unfired and its
 //!   count is returned.
 //!
-//! Thread safety: one mutex guards the table. The worker applies a whole completion batch under
-//! one lock acquisition, and callbacks are returned to the caller to run outside the lock.
+//! Thread safety: one mutex guards the table's structure (which values exist, expectations, the
+//! generic callback); each value's count is an atomic of its own, which only the table's updates
+//! (under the mutex) raise and any consumer may lower. The worker applies a whole completion
+//! batch under one lock acquisition, and callbacks are returned to the caller to run outside the
+//! lock.
 //!
-//! Waiting: a waiter first polls a generation number the table bumps on every change, for the
-//! table's polling time (the engine's `wait_spin`), and only then sleeps on the condition
+//! Waiting: a waiter registers under the lock, then polls its value's count itself (no lock) for
+//! the table's polling time (the engine's `wait_spin`), and only then sleeps on the condition
 //! variable: an arrival that comes soon (a round trip's answer) then costs neither side a futex
-//! call or a scheduler wake-up.
+//! call, a scheduler wake-up or the lock, only the count's cache line moving to the waiter.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crossbeam_utils::CachePadded;
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{FabricError, Result};
@@ -41,27 +45,48 @@ pub enum ImmEvent {
     Unclaimed(GenericImmCallback, u32, u32),
 }
 
+/// One value's count and waiters, shared with the threads waiting for it (on a cache line of its
+/// own: the worker raises it, one waiter polls it).
+#[derive(Default)]
+struct Count {
+    arrivals: AtomicU64,
+    waiters: AtomicUsize,
+}
+
+impl Count {
+    fn get(&self) -> u64 {
+        self.arrivals.load(Ordering::Acquire)
+    }
+
+    /// Consumes `n` if there are that many (all or nothing).
+    fn take(&self, n: u64) -> bool {
+        self.arrivals.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| c.checked_sub(n)).is_ok()
+    }
+
+    /// Consumes up to `n`; returns how many.
+    fn take_up_to(&self, n: u64) -> u64 {
+        let before = self.arrivals.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| Some(c - c.min(n)));
+        before.map_or(0, |c| c.min(n))
+    }
+}
+
 #[derive(Default)]
 struct Slot {
-    count: u64,
+    count: Arc<CachePadded<Count>>,
     expected: Option<(u64, OnReached)>,
-    waiters: usize,
 }
 
 impl Slot {
     fn claimed(&self) -> bool {
-        self.expected.is_some() || self.waiters > 0
+        self.expected.is_some() || self.count.waiters.load(Ordering::Acquire) > 0
     }
 
     fn take_if_reached(&mut self) -> Option<OnReached> {
-        match &self.expected {
-            Some((n, _)) if self.count >= *n => {
-                let (n, cb) = self.expected.take().expect("checked above");
-                self.count -= n;
-                Some(cb)
-            }
-            _ => None,
+        let n = self.expected.as_ref()?.0;
+        if self.count.take(n) {
+            return self.expected.take().map(|(_, cb)| cb);
         }
+        None
     }
 }
 
@@ -69,7 +94,6 @@ impl Slot {
 struct Inner {
     slots: HashMap<u32, Slot>,
     generic: Option<GenericImmCallback>,
-    closed: bool,
 }
 
 /// The table of counters of one engine.
@@ -77,8 +101,8 @@ struct Inner {
 pub struct ImmCounterTable {
     inner: Mutex<Inner>,
     changed: Condvar,
-    /// Bumped (under the lock) on every change a waiter may be waiting for.
-    generation: AtomicU64,
+    /// Set once by [`ImmCounterTable::close`]; read by polling waiters without the lock.
+    closed: AtomicBool,
     /// How long [`ImmCounterTable::wait`] polls before it sleeps.
     wait_spin: Duration,
 }
@@ -105,17 +129,16 @@ impl ImmCounterTable {
                 let slot = inner.slots.entry(imm).or_default();
                 if let (false, Some(cb)) = (slot.claimed(), &generic) {
                     events.push(ImmEvent::Unclaimed(cb.clone(), imm, times));
-                    if slot.count == 0 {
+                    if slot.count.get() == 0 {
                         inner.slots.remove(&imm);
                     }
                     continue;
                 }
-                slot.count += u64::from(times);
+                slot.count.arrivals.fetch_add(u64::from(times), Ordering::AcqRel);
                 if let Some(cb) = slot.take_if_reached() {
                     events.push(ImmEvent::Reached(cb));
                 }
             }
-            self.generation.fetch_add(1, Ordering::Release);
         }
         self.changed.notify_all();
         events
@@ -140,109 +163,114 @@ impl ImmCounterTable {
     }
 
     /// Forgets `imm`: drops its expectation without firing it and returns the count it had.
+    /// (A value with waiters keeps its entry, emptied, so they see later arrivals.)
     pub fn remove(&self, imm: u32) -> u64 {
-        let removed = {
-            let mut inner = self.inner.lock();
-            self.generation.fetch_add(1, Ordering::Release);
-            inner.slots.remove(&imm)
-        };
-        self.changed.notify_all();
-        removed.map_or(0, |s| s.count)
+        let mut inner = self.inner.lock();
+        let Some(slot) = inner.slots.get_mut(&imm) else { return 0 };
+        slot.expected = None;
+        let had = slot.count.arrivals.swap(0, Ordering::AcqRel);
+        if slot.count.waiters.load(Ordering::Acquire) == 0 {
+            inner.slots.remove(&imm);
+        }
+        had
     }
 
     /// The current count of `imm` (arrivals not yet consumed).
     pub fn value(&self, imm: u32) -> u64 {
-        self.inner.lock().slots.get(&imm).map_or(0, |s| s.count)
+        self.inner.lock().slots.get(&imm).map_or(0, |s| s.count.get())
     }
 
     /// Marks `imm` as claimed, so arrivals are counted even with a generic callback installed.
     pub fn claim(&self, imm: u32) {
-        self.inner.lock().slots.entry(imm).or_default().waiters += 1;
+        self.inner.lock().slots.entry(imm).or_default().count.waiters.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Undoes one [`ImmCounterTable::claim`].
     pub fn unclaim(&self, imm: u32) {
-        let mut inner = self.inner.lock();
-        if let Some(slot) = inner.slots.get_mut(&imm) {
-            slot.waiters = slot.waiters.saturating_sub(1);
+        if let Some(slot) = self.inner.lock().slots.get(&imm) {
+            Self::release(&slot.count);
         }
+    }
+
+    fn release(count: &Count) {
+        let _ = count.waiters.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| w.checked_sub(1));
     }
 
     /// Blocks until `imm` has been counted `n` times, then consumes `n`. Errors after `timeout`.
     /// Polls for up to the table's `wait_spin` before it sleeps.
     pub fn wait(&self, imm: u32, n: u64, timeout: Duration) -> Result<()> {
         let deadline = crate::config::deadline_after(timeout);
-        let spin_until = Instant::now().checked_add(self.wait_spin).map_or(deadline, |t| t.min(deadline));
-        let mut inner = self.inner.lock();
-        inner.slots.entry(imm).or_default().waiters += 1;
-        let result = loop {
-            let slot = inner.slots.get(&imm);
-            let count = slot.map_or(0, |s| s.count);
-            if count >= n {
-                break Ok(());
-            }
-            if inner.closed {
-                break Err(FabricError::Stopped);
-            }
-            if Instant::now() < spin_until {
-                // Read under the lock: any later change bumps it.
-                let seen = self.generation.load(Ordering::Acquire);
-                parking_lot::MutexGuard::unlocked(&mut inner, || self.poll_change(seen, spin_until));
-                continue;
-            }
-            if self.changed.wait_until(&mut inner, deadline).timed_out() {
-                let count = inner.slots.get(&imm).map_or(0, |s| s.count);
-                if count >= n {
-                    break Ok(());
-                }
-                break Err(FabricError::Timeout(format!("immediate {imm}: counted {count} of {n} within {timeout:?}")));
-            }
+        let count = {
+            let mut inner = self.inner.lock();
+            let count = inner.slots.entry(imm).or_default().count.clone();
+            count.waiters.fetch_add(1, Ordering::AcqRel);
+            count
         };
-        let slot = inner.slots.entry(imm).or_default();
-        slot.waiters = slot.waiters.saturating_sub(1);
-        if result.is_ok() {
-            slot.count -= n;
-        }
+        let result = self.poll(&count, n, deadline).unwrap_or_else(|| self.sleep(&count, imm, n, deadline, timeout));
+        Self::release(&count);
         result
     }
 
-    /// Polls until the generation moves past `seen` or `until` passes.
-    fn poll_change(&self, seen: u64, until: Instant) {
+    /// Polls `count` for up to the table's `wait_spin` (never past `deadline`); None: still
+    /// waiting.
+    fn poll(&self, count: &Count, n: u64, deadline: Instant) -> Option<Result<()>> {
+        let until = Instant::now().checked_add(self.wait_spin).map_or(deadline, |t| t.min(deadline));
         let mut polls: u32 = 0;
-        while self.generation.load(Ordering::Acquire) == seen {
+        loop {
+            if count.take(n) {
+                return Some(Ok(()));
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return Some(Err(FabricError::Stopped));
+            }
             polls = polls.wrapping_add(1);
             if !polls.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
             if Instant::now() >= until {
-                return;
+                return None;
             }
             std::thread::yield_now();
+        }
+    }
+
+    /// Sleeps on the condition variable until `count` has `n` (arrivals are raised under the
+    /// lock held here, so none is missed), the table closes or `deadline` passes.
+    fn sleep(&self, count: &Count, imm: u32, n: u64, deadline: Instant, timeout: Duration) -> Result<()> {
+        let mut inner = self.inner.lock();
+        loop {
+            if count.take(n) {
+                return Ok(());
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return Err(FabricError::Stopped);
+            }
+            if self.changed.wait_until(&mut inner, deadline).timed_out() {
+                if count.take(n) {
+                    return Ok(());
+                }
+                let counted = count.get();
+                return Err(FabricError::Timeout(format!(
+                    "immediate {imm}: counted {counted} of {n} within {timeout:?}"
+                )));
+            }
         }
     }
 
     /// Consumes `n` arrivals of `imm` if they are there (one atomic check-and-take); false
     /// leaves the count untouched.
     pub fn try_take(&self, imm: u32, n: u64) -> bool {
-        let mut inner = self.inner.lock();
-        match inner.slots.get_mut(&imm) {
-            Some(slot) if slot.count >= n => {
-                slot.count -= n;
-                true
-            }
-            _ => n == 0,
+        match self.inner.lock().slots.get(&imm) {
+            Some(slot) => slot.count.take(n),
+            None => n == 0,
         }
     }
 
     /// Consumes up to `n` counted arrivals of `imm`; returns how many it took (what a trigger
     /// armed on the worker finds already counted).
     pub(crate) fn take_up_to(&self, imm: u32, n: u64) -> u64 {
-        let mut inner = self.inner.lock();
-        let Some(slot) = inner.slots.get_mut(&imm) else { return 0 };
-        let taken = slot.count.min(n);
-        slot.count -= taken;
-        taken
+        self.inner.lock().slots.get(&imm).map_or(0, |slot| slot.count.take_up_to(n))
     }
 
     /// Installs (or with `None` removes) the callback for unclaimed immediates.
@@ -253,9 +281,9 @@ impl ImmCounterTable {
     /// Ends every current and future wait with [`FabricError::Stopped`] (engine shutdown).
     pub fn close(&self) {
         {
-            let mut inner = self.inner.lock();
-            inner.closed = true;
-            self.generation.fetch_add(1, Ordering::Release);
+            // Under the lock: a waiter about to sleep sees it before it does.
+            let _inner = self.inner.lock();
+            self.closed.store(true, Ordering::Release);
         }
         self.changed.notify_all();
     }
@@ -454,5 +482,63 @@ mod tests {
         assert_eq!(hits.load(Ordering::SeqCst), 1);
         assert_eq!(t.value(0), 0);
         assert_eq!(t.value(1) + t.value(2) + t.value(3), 40_000);
+    }
+
+    #[test]
+    fn a_waiter_keeps_its_claim_when_the_value_is_removed() {
+        // With a generic callback installed, arrivals after `remove` still reach the waiter
+        // (they would go to the callback if the removal had dropped the waiter's claim).
+        let t = Arc::new(ImmCounterTable::with_wait_spin(Duration::from_millis(1)));
+        let unclaimed = Arc::new(AtomicUsize::new(0));
+        let u = unclaimed.clone();
+        t.set_generic_callback(Some(Arc::new(move |_| {
+            u.fetch_add(1, Ordering::SeqCst);
+        })));
+        let t2 = t.clone();
+        let waiter = std::thread::spawn(move || t2.wait(5, 2, Duration::from_secs(10)));
+        while t.inner.lock().slots.get(&5).is_none_or(|s| !s.claimed()) {
+            std::thread::yield_now();
+        }
+        run(t.add_batch(&[(5, 1)]));
+        assert_eq!(t.remove(5), 1, "the arrival before the removal is returned");
+        run(t.add_batch(&[(5, 2)]));
+        waiter.join().unwrap().expect("the waiter saw the later arrivals");
+        assert_eq!(unclaimed.load(Ordering::SeqCst), 0);
+        assert_eq!(t.value(5), 0);
+    }
+
+    #[test]
+    fn concurrent_waiters_each_consume_exactly_what_they_wait_for() {
+        // Polling and sleeping waiters, taking without the lock, against one adder: every wait
+        // returns, and nothing is taken twice or left over.
+        for spin in [Duration::from_millis(5), Duration::ZERO] {
+            let t = Arc::new(ImmCounterTable::with_wait_spin(spin));
+            let waiters: Vec<_> = (0..4)
+                .map(|w| {
+                    let t = t.clone();
+                    std::thread::spawn(move || {
+                        for _ in 0..500 {
+                            t.wait(3, 1 + w % 2, Duration::from_secs(20)).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            // 4 waiters x 500 waits of 1 or 2: 3000 arrivals in uneven batches.
+            let mut left = 3000u32;
+            let mut i = 0u32;
+            while left > 0 {
+                let n = (1 + i % 7).min(left);
+                t.add_batch(&[(3, n)]);
+                left -= n;
+                i += 1;
+                if i.is_multiple_of(16) {
+                    std::thread::yield_now();
+                }
+            }
+            for w in waiters {
+                w.join().unwrap();
+            }
+            assert_eq!(t.value(3), 0);
+        }
     }
 }
