@@ -90,10 +90,28 @@ impl Slot {
     }
 }
 
+/// Values the table holds before it drops the empty, unclaimed ones (see `add_batch`).
+const SWEEP_SLOTS: usize = 4096;
+
 #[derive(Default)]
 struct Inner {
     slots: HashMap<u32, Slot>,
     generic: Option<GenericImmCallback>,
+    /// Size at which `add_batch` sweeps next (0: [`SWEEP_SLOTS`]).
+    sweep_at: usize,
+}
+
+impl Inner {
+    /// Drops the values that hold nothing (no count, expectation or waiter), once the table has
+    /// grown past its sweep size: an application that counts ever new values (one per request)
+    /// keeps a table about as large as what is pending.
+    fn sweep(&mut self) {
+        if self.slots.len() < self.sweep_at.max(SWEEP_SLOTS) {
+            return;
+        }
+        self.slots.retain(|_, s| s.claimed() || s.count.get() > 0);
+        self.sweep_at = 2 * self.slots.len();
+    }
 }
 
 /// The table of counters of one engine.
@@ -139,6 +157,7 @@ impl ImmCounterTable {
                     events.push(ImmEvent::Reached(cb));
                 }
             }
+            inner.sweep();
         }
         self.changed.notify_all();
         events
@@ -540,5 +559,27 @@ mod tests {
             }
             assert_eq!(t.value(3), 0);
         }
+    }
+
+    #[test]
+    fn values_that_hold_nothing_do_not_accumulate() {
+        // Ever new values, each counted once and taken (what one value per request does), with
+        // one value waited for and one expected throughout: the table stays near its sweep size
+        // and keeps what is still pending.
+        let t = ImmCounterTable::new();
+        t.claim(1);
+        t.set_expected(2, 5, Box::new(|| {})).unwrap();
+        run(t.add_batch(&[(1, 3)]));
+        for v in 100..100_000u32 {
+            run(t.add_batch(&[(v, 1)]));
+            assert!(t.try_take(v, 1));
+        }
+        let slots = t.inner.lock().slots.len();
+        assert!(slots <= 2 * SWEEP_SLOTS, "{slots} values kept");
+        assert_eq!(t.value(1), 3, "a claimed value keeps its count");
+        run(t.add_batch(&[(2, 4)]));
+        assert!(t.inner.lock().slots.get(&2).is_some_and(|s| s.expected.is_some()), "the expectation stays");
+        run(t.add_batch(&[(100_000, 2)]));
+        assert_eq!(t.value(100_000), 2, "a value with a count stays");
     }
 }
