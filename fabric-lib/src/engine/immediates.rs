@@ -59,7 +59,8 @@ impl TransferEngine {
                 imm: None,
             })
             .collect();
-        let deferred = plan_imms(&mut shards, &vec![Some(imm); targets.len()]);
+        let imms: smallvec::SmallVec<[Option<u32>; 8]> = smallvec::smallvec![Some(imm); targets.len()];
+        let deferred = plan_imms(&mut shards, &imms);
         Command::Transfer(Transfer { region: SCRATCH_REGION, targets: targets.into(), shards, deferred, on_done })
     }
 
