@@ -43,7 +43,7 @@
 #pragma once
 #include <stdint.h>
 
-#define A2A_MAX_PEERS 16
+#define A2A_MAX_PEERS 32
 #define A2A_MAX_GRID 1024   // most blocks per launch (per-block sequence counters)
 #define A2A_CHUNK_VECS 128  // 16-byte vectors per receive / combine item (2 KiB), 4 per lane
 #define A2A_SEND_VPL 8      // 16-byte vectors per lane per step when sending a token (4 KiB)

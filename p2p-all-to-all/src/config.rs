@@ -3,8 +3,9 @@ use std::time::Duration;
 
 use crate::error::{invalid, Result};
 
-/// Most ranks of one NVLink domain (size of the peer table in the kernels' parameters).
-pub const MAX_PEERS: usize = 16;
+/// Most ranks of one all-to-all group (the kernels give each rank one lane of a warp and one bit
+/// of a 32-bit mask; also the size of the NVLink peer table in their parameters).
+pub const MAX_PEERS: usize = 32;
 /// Most experts (the send kernel keeps two counters per expert in shared memory).
 pub const MAX_EXPERTS: usize = 1024;
 /// Most experts per token (one warp lane per slot).
@@ -81,7 +82,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         let (w, e, k) = (self.world_size, self.num_experts, self.experts_per_token);
         if w == 0 || w > MAX_PEERS {
-            return Err(invalid!("world_size {w} must be in 1..={MAX_PEERS} (one NVLink domain)"));
+            return Err(invalid!("world_size {w} must be in 1..={MAX_PEERS}"));
         }
         if self.rank >= w {
             return Err(invalid!("rank {} must be below world_size {w}", self.rank));
@@ -164,7 +165,7 @@ mod tests {
         type Mutation = Box<dyn Fn(&mut Config)>;
         let cases: Vec<Mutation> = vec![
             Box::new(|c| c.world_size = 0),
-            Box::new(|c| c.world_size = 17),
+            Box::new(|c| c.world_size = 33),
             Box::new(|c| c.rank = 4),
             Box::new(|c| c.num_experts = 255),
             Box::new(|c| c.num_experts = 2048),
