@@ -251,6 +251,9 @@ struct State {
     counts_seq: [u64; 2],
     /// Per parity, `rank_rows[p][s][d]`: the rows source `s` sends rank `d` (`Counts::rows`).
     rank_rows: [Vec<Vec<u32>>; 2],
+    /// Per parity, `rows_before_me[p][s]`: the rows source `s` sends the ranks below this one
+    /// that are remote to it (where this rank's combine rows start in `s`'s receive area).
+    rows_before_me: [Vec<u32>; 2],
     dispatch: DispatchCall,
     combine: CombineCall,
     writes: Arc<CompletionCounter>,
@@ -347,6 +350,7 @@ impl State {
             counts: [Counts::new(w, e), Counts::new(w, e)],
             counts_seq: [0, 0],
             rank_rows: [vec![vec![0; w]; w], vec![vec![0; w]; w]],
+            rows_before_me: [vec![0; w], vec![0; w]],
             dispatch: DispatchCall::new(1, w),
             combine: CombineCall { n: 1, posted: false, got: vec![false; w] },
             writes: CompletionCounter::new(),
@@ -513,6 +517,8 @@ impl State {
         for (d, rows) in self.rank_rows[p][s].iter_mut().enumerate() {
             *rows = c.rows(s, d) as u32;
         }
+        let (topo, me, rows) = (self.cfg.topo, self.cfg.rank, &self.rank_rows[p][s]);
+        self.rows_before_me[p][s] = (0..me).filter(|&x| topo.is_remote(s, x)).map(|x| rows[x]).sum();
     }
 
     fn dispatch_step(&mut self) -> bool {
@@ -683,7 +689,7 @@ impl State {
             }
             let signal = Instant::now();
             let lay = self.cfg.layout;
-            let rows = &self.rank_rows[dp];
+            let (rows, before_me) = (&self.rank_rows[dp], &self.rows_before_me[dp]);
             let tag = imm(ImmKind::Combine, cn as u32, me);
             // Every remote rank hears from this one: its rows, or the immediate alone. Segments
             // as `combine_segment_at_expert` / `_at_source` place them, from the per-rank totals:
@@ -694,8 +700,7 @@ impl State {
                 .iter()
                 .map(|&s| {
                     let n_rows = rows[s][me] as usize;
-                    let at_source: usize =
-                        (0..me).filter(|&x| self.cfg.topo.is_remote(s, x)).map(|x| rows[s][x] as usize).sum();
+                    let at_source = before_me[s] as usize;
                     let target =
                         (s, lay.csend_offset(cp, at_expert), n_rows * lay.row_bytes, lay.crecv_offset(cp, at_source));
                     at_expert += n_rows;
