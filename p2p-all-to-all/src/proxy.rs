@@ -249,8 +249,9 @@ struct State {
     /// Counts of the dispatch of each parity, and which dispatch they are (0: none).
     counts: [Counts; 2],
     counts_seq: [u64; 2],
-    /// Per parity, `rank_rows[p][s][d]`: the rows source `s` sends rank `d` (`Counts::rows`).
-    rank_rows: [Vec<Vec<u32>>; 2],
+    /// Per parity, `rows_to_me[p][s]`: the rows source `s` sends this rank (`Counts::rows`),
+    /// which this rank's combine returns to it.
+    rows_to_me: [Vec<u32>; 2],
     /// Per parity, `rows_before_me[p][s]`: the rows source `s` sends the ranks below this one
     /// that are remote to it (where this rank's combine rows start in `s`'s receive area).
     rows_before_me: [Vec<u32>; 2],
@@ -349,7 +350,7 @@ impl State {
             shared,
             counts: [Counts::new(w, e), Counts::new(w, e)],
             counts_seq: [0, 0],
-            rank_rows: [vec![vec![0; w]; w], vec![vec![0; w]; w]],
+            rows_to_me: [vec![0; w], vec![0; w]],
             rows_before_me: [vec![0; w], vec![0; w]],
             dispatch: DispatchCall::new(1, w),
             combine: CombineCall { n: 1, posted: false, got: vec![false; w] },
@@ -508,17 +509,15 @@ impl State {
         }
     }
 
-    /// Keeps rank `s`'s counts of parity `p`, and the rows it sends each rank (what the
-    /// combine's segment offsets are sums of: computed here, off the combine's path).
+    /// Keeps rank `s`'s counts of parity `p`, and what the combine's segments need of them
+    /// (computed here, off the combine's path).
     fn store_counts(&mut self, p: usize, s: usize, tok: Vec<u32>, hist: Vec<u32>) {
         let c = &mut self.counts[p];
         c.tok[s] = tok;
         c.hist[s] = hist;
-        for (d, rows) in self.rank_rows[p][s].iter_mut().enumerate() {
-            *rows = c.rows(s, d) as u32;
-        }
-        let (topo, me, rows) = (self.cfg.topo, self.cfg.rank, &self.rank_rows[p][s]);
-        self.rows_before_me[p][s] = (0..me).filter(|&x| topo.is_remote(s, x)).map(|x| rows[x]).sum();
+        let (topo, me) = (self.cfg.topo, self.cfg.rank);
+        self.rows_to_me[p][s] = c.rows(s, me) as u32;
+        self.rows_before_me[p][s] = (0..me).filter(|&x| topo.is_remote(s, x)).map(|x| c.rows(s, x) as u32).sum();
     }
 
     fn dispatch_step(&mut self) -> bool {
@@ -689,17 +688,18 @@ impl State {
             }
             let signal = Instant::now();
             let lay = self.cfg.layout;
-            let (rows, before_me) = (&self.rank_rows[dp], &self.rows_before_me[dp]);
+            let (to_me, before_me) = (&self.rows_to_me[dp], &self.rows_before_me[dp]);
             let tag = imm(ImmKind::Combine, cn as u32, me);
             // Every remote rank hears from this one: its rows, or the immediate alone. Segments
-            // as `combine_segment_at_expert` / `_at_source` place them, from the per-rank totals:
-            // here the remote sources before `s` (a running sum over `remote`, ascending).
+            // as `combine_segment_at_expert` / `_at_source` place them: here after the rows of
+            // the remote sources before `s` (a running sum over `remote`, ascending), there after
+            // the rows `s` sends the remote ranks below this one (kept when its counts came).
             let mut at_expert = 0;
             let targets: Vec<_> = self
                 .remote
                 .iter()
                 .map(|&s| {
-                    let n_rows = rows[s][me] as usize;
+                    let n_rows = to_me[s] as usize;
                     let at_source = before_me[s] as usize;
                     let target =
                         (s, lay.csend_offset(cp, at_expert), n_rows * lay.row_bytes, lay.crecv_offset(cp, at_source));

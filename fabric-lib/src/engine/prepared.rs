@@ -127,8 +127,8 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("scatter with no slices".into()));
         }
         // Which destinations the call names (at most one slice each): their receivers count `imm`.
-        // Inline up to 16 destinations (the all-to-all's largest world): nothing to allocate.
-        let mut named: smallvec::SmallVec<[bool; 16]> = smallvec::smallvec![false; prepared.len()];
+        // Inline up to 32 destinations (the all-to-all's largest world): nothing to allocate.
+        let mut named: smallvec::SmallVec<[bool; 32]> = smallvec::smallvec![false; prepared.len()];
         for s in slices {
             let Some(&dst_len) = prepared.dst_lens.get(s.dst) else {
                 return Err(FabricError::InvalidArgument(format!(
@@ -164,7 +164,7 @@ impl TransferEngine {
         };
         // The source must still be registered (the worker checks it again when posting).
         self.region_info(prepared.src)?;
-        let imm_per_peer: smallvec::SmallVec<[Option<u32>; 16]> =
+        let imm_per_peer: smallvec::SmallVec<[Option<u32>; 32]> =
             named.iter().map(|&n| if n { imm } else { None }).collect();
         let parts = slices.iter().map(|s| (s.dst, s.src_offset, s.len, s.dst_offset));
         let (shards, deferred) = self.plan_scatter_shards(parts, &imm_per_peer, sharding);
