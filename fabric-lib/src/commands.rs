@@ -19,11 +19,11 @@ pub type RecvCallback = Arc<dyn Fn(Vec<u8>) + Send + Sync + 'static>;
 /// Region id of the worker's scratch buffers (source of zero-byte immediate writes).
 pub(crate) const SCRATCH_REGION: u64 = 0;
 
-/// A peer region (or a peer engine's immediate slot) as the worker needs it: per domain, the
-/// peer's endpoint address and (key, remote base).
+/// A peer region (or a peer engine's immediate slot) as the worker needs it: the peer (its id in
+/// the engine's `PeerTable`) and per domain (key, remote base).
 pub(crate) struct Target {
+    pub peer: u32,
     /// Inline for up to two domains: one is built for every request (every scatter target).
-    pub addresses: smallvec::SmallVec<[Vec<u8>; 2]>,
     pub keys: smallvec::SmallVec<[(u64, u64); 2]>,
 }
 
@@ -140,7 +140,8 @@ pub(crate) struct ArmCommand {
 
 /// A two-sided message, validated by the engine.
 pub(crate) struct SendCommand {
-    pub peer: Vec<u8>,
+    /// The peer's id in the engine's `PeerTable`.
+    pub peer: u32,
     pub data: Vec<u8>,
     pub on_done: Notify,
 }
@@ -172,7 +173,9 @@ pub(crate) enum Command {
     Transfer(Transfer),
     /// A read: the shards pull from the target into `region` (see `engine::reads`).
     Read(Transfer),
-    SameHost(SameHostTransfer),
+    /// Boxed, like `SameHostRead`: the rare large variants would make every command that size,
+    /// and each crosses from the caller's core to the worker's.
+    SameHost(Box<SameHostTransfer>),
     Staged(StagedTransfer),
     /// Opens (once) the landing area for staged writes into this engine, pinned through
     /// `device`'s context (None: plain host memory), and replies its keys.
@@ -180,7 +183,7 @@ pub(crate) enum Command {
         device: Option<u32>,
         reply: Sender<Result<LandingKeys>>,
     },
-    SameHostRead(SameHostRead),
+    SameHostRead(Box<SameHostRead>),
     Send(SendCommand),
     Arm(ArmCommand),
     SetRecvCallback(Option<RecvCallback>),
@@ -202,10 +205,10 @@ impl Command {
         match self {
             Command::Transfer(Transfer { on_done, .. })
             | Command::Read(Transfer { on_done, .. })
-            | Command::SameHost(SameHostTransfer { on_done, .. })
             | Command::Staged(StagedTransfer { on_done, .. })
-            | Command::SameHostRead(SameHostRead { on_done, .. })
             | Command::Send(SendCommand { on_done, .. }) => return Some(on_done),
+            Command::SameHost(t) => return Some(t.on_done),
+            Command::SameHostRead(t) => return Some(t.on_done),
             Command::Register { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
@@ -222,5 +225,17 @@ impl Command {
             Command::SetRecvCallback(_) | Command::Stop => {}
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_fits_a_transfer_and_no_more() {
+        // What crosses to the worker per request: keep the largest variant the common one.
+        assert_eq!(std::mem::size_of::<Command>(), std::mem::size_of::<Transfer>() + 8);
+        assert!(std::mem::size_of::<Command>() <= 224, "{}", std::mem::size_of::<Command>());
     }
 }

@@ -25,6 +25,7 @@ pub mod imm_counter;
 mod joined;
 pub mod latency_probe;
 mod msg_buffers;
+mod peers;
 pub mod provider;
 mod requests;
 pub mod sharding;

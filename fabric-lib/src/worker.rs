@@ -25,6 +25,7 @@ use crate::epoch::{PendingReadmit, ReceivedEpochs};
 use crate::error::{FabricError, Result};
 use crate::imm_counter::ImmCounterTable;
 use crate::latency_probe::{LatencyProbe, Stage};
+use crate::peers::{Endpoints, PeerTable};
 use crate::provider::libfabric::{Access, Completion, LocalMr, OpContext, OpKind, Posted};
 use crate::provider::same_host::{copy_host_to_host, SameHostChannel, SameHostDone, SameHostSrc};
 use crate::sharding::DeferredImm;
@@ -134,27 +135,11 @@ impl Op {
     }
 }
 
-/// A request's resolved destinations by (peer, domain): the latest one inline (most requests
-/// have one), the others in a map allocated only when a second one appears.
-#[derive(Default)]
-struct DestCache {
-    last: Option<((u32, u16), u64)>,
-    others: FxHashMap<(u32, u16), u64>,
-}
-
-impl DestCache {
-    fn get(&self, key: (u32, u16)) -> Option<u64> {
-        match self.last {
-            Some((k, d)) if k == key => Some(d),
-            _ => self.others.get(&key).copied(),
-        }
-    }
-
-    fn insert(&mut self, key: (u32, u16), dest: u64) {
-        if let Some((k, d)) = self.last.replace((key, dest)) {
-            self.others.insert(k, d);
-        }
-    }
+/// A peer as this worker knows it: its endpoint names (from the engine's `PeerTable`) and, per
+/// domain, its address in the provider's address vector once resolved.
+struct KnownPeer {
+    endpoints: Endpoints,
+    dests: smallvec::SmallVec<[Option<u64>; 2]>,
 }
 
 struct PendingPost {
@@ -177,6 +162,7 @@ pub(crate) fn spawn(
     imm: Arc<ImmCounterTable>,
     callbacks: CallbackQueue,
     probe: Arc<LatencyProbe>,
+    peers: Arc<PeerTable>,
 ) -> Result<Spawned> {
     let (tx, rx) = bounded::<Command>(config.queue_depth.max(1));
     let leftovers = rx.clone();
@@ -191,7 +177,7 @@ pub(crate) fn spawn(
                     tracing::warn!("could not pin the worker to CPU {cpu}");
                 }
             }
-            match Worker::open(&config, rx, imm, callbacks, probe) {
+            match Worker::open(&config, rx, imm, callbacks, probe, peers) {
                 Ok(mut worker) => {
                     let info = WorkerInfo {
                         provider: worker.domains[0].domain.provider_name(),
@@ -303,6 +289,9 @@ struct Worker {
     inboxes: inbox::Inboxes,
     /// Stage times for latency tests (off unless the application enabled it).
     probe: Arc<LatencyProbe>,
+    /// The engine's peer table, and the peers requests named so far, by id.
+    peers: Arc<PeerTable>,
+    known: Vec<Option<KnownPeer>>,
     /// A busy worker yields the CPU after this many consecutive empty polls.
     yield_every: u32,
 
@@ -317,6 +306,7 @@ impl Worker {
         imm: Arc<ImmCounterTable>,
         callbacks: CallbackQueue,
         probe: Arc<LatencyProbe>,
+        peers: Arc<PeerTable>,
     ) -> Result<Self> {
         let domains = config
             .provider
@@ -377,6 +367,8 @@ impl Worker {
             triggers: triggers::Triggers::default(),
             inboxes: inbox::Inboxes::open(config.same_host_inbox_slots),
             probe,
+            peers,
+            known: Vec::new(),
             yield_every: if crate::spin::spare_cores() { 64 } else { 1 },
             domains,
         })
@@ -490,8 +482,8 @@ impl Worker {
             }
             Command::Transfer(t) => self.start_transfer(t),
             Command::Read(t) => self.start_read(t),
-            Command::SameHostRead(t) => self.start_same_host_read(t),
-            Command::SameHost(t) => self.start_same_host(t),
+            Command::SameHostRead(t) => self.start_same_host_read(*t),
+            Command::SameHost(t) => self.start_same_host(*t),
             Command::Staged(t) => self.start_staged(t),
             Command::Landing { device, reply } => {
                 let _ = reply.send(self.open_landing(device));
@@ -537,7 +529,9 @@ impl Worker {
         if self.fenced.is_empty() {
             return None; // the common case: no address to hash
         }
-        let fenced = peers.any(|p| p.addresses.first().is_some_and(|first| self.fenced.contains(first)));
+        let fenced = peers.any(|p| {
+            self.peers.endpoints(p.peer).is_some_and(|e| e.first().is_some_and(|first| self.fenced.contains(first)))
+        });
         fenced.then(|| {
             FabricError::PeerFenced(
                 "an earlier request to this peer timed out; call readmit_peer(address) once the application \
@@ -571,15 +565,44 @@ impl Worker {
         }
     }
 
-    /// Resolves (and caches per request) the fi_addr of `target` on `domain`.
-    fn dest(&mut self, cache: &mut DestCache, targets: &[Target], peer: u32, domain: u16) -> Result<u64> {
-        if let Some(d) = cache.get((peer, domain)) {
-            return Ok(d);
+    /// The endpoint names of peer `id` (looked up in the engine's table the first time).
+    fn peer_endpoints(&mut self, id: u32) -> Result<Endpoints> {
+        if let Some(Some(known)) = self.known.get(id as usize) {
+            return Ok(known.endpoints.clone());
         }
-        let addr = &targets[peer as usize].addresses[domain as usize];
-        let d = self.domains[domain as usize].domain.resolve_peer(addr)?;
-        cache.insert((peer, domain), d);
-        Ok(d)
+        let endpoints = self
+            .peers
+            .endpoints(id)
+            .ok_or_else(|| FabricError::InvalidArgument(format!("no peer with id {id} was interned")))?;
+        if endpoints.len() != self.domains.len() {
+            return Err(FabricError::InvalidDescriptor(format!(
+                "the peer has {} endpoints, this engine {} domains",
+                endpoints.len(),
+                self.domains.len()
+            )));
+        }
+        if self.known.len() <= id as usize {
+            self.known.resize_with(id as usize + 1, || None);
+        }
+        let dests = smallvec::smallvec![None; endpoints.len()];
+        self.known[id as usize] = Some(KnownPeer { endpoints: endpoints.clone(), dests });
+        Ok(endpoints)
+    }
+
+    /// The fi_addr of peer `id` on `domain` (inserted into the address vector the first time).
+    fn peer_dest(&mut self, id: u32, domain: u16) -> Result<u64> {
+        if let Some(Some(known)) = self.known.get(id as usize) {
+            if let Some(Some(dest)) = known.dests.get(domain as usize) {
+                return Ok(*dest);
+            }
+        }
+        let endpoints = self.peer_endpoints(id)?;
+        let d = domain as usize;
+        let dest = self.domains[d].domain.resolve_peer(&endpoints[d])?;
+        if let Some(Some(known)) = self.known.get_mut(id as usize) {
+            known.dests[d] = Some(dest);
+        }
+        Ok(dest)
     }
 
     fn start_transfer(&mut self, t: Transfer) {
@@ -599,11 +622,11 @@ impl Worker {
                 }
             }
         };
-        let mut cache = DestCache::default();
         let mut resolved = Vec::with_capacity(deferred.len());
         for d in &deferred {
-            let (key, remote_base) = targets[d.peer as usize].keys[d.domain as usize];
-            match self.dest(&mut cache, &targets, d.peer, d.domain) {
+            let target = &targets[d.peer as usize];
+            let (key, remote_base) = target.keys[d.domain as usize];
+            match self.peer_dest(target.peer, d.domain) {
                 Ok(dest) => resolved.push((*d, dest, key, remote_base)),
                 Err(e) => return self.fail_request(id, e),
             }
@@ -616,11 +639,12 @@ impl Worker {
             return self.finish(id, Ok(()));
         }
         for s in shards {
-            let dest = match self.dest(&mut cache, &targets, s.peer, s.domain) {
+            let target = &targets[s.peer as usize];
+            let (key, remote_base) = target.keys[s.domain as usize];
+            let dest = match self.peer_dest(target.peer, s.domain) {
                 Ok(d) => d,
                 Err(e) => return self.fail_request(id, e),
             };
-            let (key, remote_base) = targets[s.peer as usize].keys[s.domain as usize];
             let domain = s.domain as usize;
             let ptr = match base {
                 Some(b) => b + s.src_offset as usize,
@@ -680,11 +704,11 @@ impl Worker {
     fn start_send(&mut self, cmd: SendCommand) {
         let SendCommand { peer, data, on_done } = cmd;
         let id = self.new_request(on_done, 1);
-        let target = Target { addresses: smallvec::smallvec![peer], keys: smallvec::SmallVec::new() };
+        let target = Target { peer, keys: smallvec::SmallVec::new() };
         if let Some(e) = self.fence_error(std::iter::once(&target)) {
             return self.finish(id, Err(e));
         }
-        match self.domains[0].domain.resolve_peer(&target.addresses[0]) {
+        match self.peer_dest(peer, 0) {
             Ok(dest) => {
                 self.keep_peers(id, TargetList::Own(smallvec::smallvec![target]));
                 self.queue_send(id, dest, data, None)
@@ -1158,7 +1182,9 @@ impl Worker {
             let req = self.requests.remove(&id).expect("live");
             self.purge_pending(id);
             for peer in req.peers.iter() {
-                self.fence(&peer.addresses);
+                if let Some(endpoints) = self.peers.endpoints(peer.peer) {
+                    self.fence(&endpoints);
+                }
             }
             let timeout = self.transfer_timeout;
             let e = FabricError::Timeout(format!("request not completed within {timeout:?} (peer unreachable?)"));

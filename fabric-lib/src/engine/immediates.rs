@@ -37,7 +37,8 @@ impl TransferEngine {
     pub(super) fn plan_imm_to(&self, imm: u32, peer: &EngineAddress, on_done: Notify) -> Result<Command> {
         if self.same_host_imm(peer) {
             let imm = Some(self.same_host_imm_target(imm, peer)?);
-            return Ok(Command::SameHost(SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done }));
+            let transfer = SameHostTransfer { region: SCRATCH_REGION, write: None, imm, on_done };
+            return Ok(Command::SameHost(Box::new(transfer)));
         }
         Ok(self.plan_imm_to_targets(imm, smallvec::smallvec![self.engine_target(peer)?], on_done))
     }

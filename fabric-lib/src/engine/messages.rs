@@ -29,7 +29,7 @@ impl TransferEngine {
                 peer.max_message_size
             )));
         }
-        Ok(Command::Send(SendCommand { peer: peer.domains[0].endpoint.clone(), data, on_done }))
+        Ok(Command::Send(SendCommand { peer: self.peer_id(peer)?, data, on_done }))
     }
 
     /// Installs the callback for received messages (`None` keeps messages until one is set).

@@ -22,6 +22,7 @@ use crate::error::{FabricError, Result};
 use crate::gpu::Watchers;
 use crate::imm_counter::ImmCounterTable;
 use crate::latency_probe::{LatencyProbe, Stage};
+use crate::peers::PeerTable;
 use crate::worker;
 
 /// Traffic posted on one domain (see [`TransferEngine::domain_stats`]).
@@ -89,6 +90,8 @@ pub struct TransferEngine {
     rma_read: bool,
     /// Stage times of the latest request, when enabled (see `latency_probe`).
     probe: Arc<LatencyProbe>,
+    /// The peers requests name, by id (shared with the worker).
+    pub(crate) peers: Arc<PeerTable>,
 }
 
 impl TransferEngine {
@@ -97,10 +100,11 @@ impl TransferEngine {
         config.validate()?;
         let imm = Arc::new(ImmCounterTable::with_wait_spin(config.wait_spin()));
         let probe = Arc::new(LatencyProbe::default());
+        let peers = Arc::new(PeerTable::default());
         let callbacks = CallbackThread::spawn(config.wait_spin())
             .map_err(|e| FabricError::InvalidArgument(format!("cannot spawn the callback thread: {e}")))?;
         let worker::Spawned { commands, leftovers, handle, info } =
-            match worker::spawn(&config, imm.clone(), callbacks.queue(), probe.clone()) {
+            match worker::spawn(&config, imm.clone(), callbacks.queue(), probe.clone(), peers.clone()) {
                 Ok(started) => started,
                 Err(e) => {
                     callbacks.shutdown(Duration::from_secs(1));
@@ -150,6 +154,7 @@ impl TransferEngine {
             staging: info.staging.clone(),
             rma_read: info.read,
             probe,
+            peers,
         })
     }
 

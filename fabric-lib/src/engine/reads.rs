@@ -44,12 +44,12 @@ impl TransferEngine {
             Route::SameHost(peer) => {
                 let copy =
                     SameHostCopy::Contiguous { src_offset: req.src_offset, dst_offset: req.dst_offset, len: req.len };
-                return self.command(Command::SameHostRead(crate::commands::SameHostRead {
+                return self.command(Command::SameHostRead(Box::new(crate::commands::SameHostRead {
                     region: req.dst.0,
                     peer,
                     copy,
                     on_done,
-                }));
+                })));
             }
         };
         let pieces = if req.len == 0 { Pieces::new() } else { self.domain_pieces(req.len, req.domains) };
@@ -93,12 +93,12 @@ impl TransferEngine {
                     dst_stride: req.dst_stride,
                     dst_offset: req.dst_offset,
                 });
-                return self.command(Command::SameHostRead(crate::commands::SameHostRead {
+                return self.command(Command::SameHostRead(Box::new(crate::commands::SameHostRead {
                     region: req.dst.0,
                     peer,
                     copy,
                     on_done,
-                }));
+                })));
             }
         };
         let n = self.num_domains();

@@ -52,7 +52,7 @@ impl TransferEngine {
     pub(crate) fn region_target(&self, dst: &MrDescriptor) -> Result<Target> {
         self.check_peer(&dst.owner)?;
         Ok(Target {
-            addresses: dst.keys.iter().map(|k| k.address.endpoint.clone()).collect(),
+            peer: self.peers.intern(dst.keys.iter().map(|k| k.address.endpoint.as_slice()))?,
             keys: dst.keys.iter().map(|k| (k.key, k.remote_base)).collect(),
         })
     }
@@ -72,10 +72,12 @@ impl TransferEngine {
     /// Where the worker sends immediates addressed to an engine (its immediate slots).
     pub(crate) fn engine_target(&self, peer: &EngineAddress) -> Result<Target> {
         self.check_peer(peer)?;
-        Ok(Target {
-            addresses: peer.domains.iter().map(|d| d.endpoint.clone()).collect(),
-            keys: peer.domains.iter().map(|d| (d.imm_key, d.imm_base)).collect(),
-        })
+        Ok(Target { peer: self.peer_id(peer)?, keys: peer.domains.iter().map(|d| (d.imm_key, d.imm_base)).collect() })
+    }
+
+    /// A peer engine's id in this engine's peer table (see `peers`).
+    pub(crate) fn peer_id(&self, peer: &EngineAddress) -> Result<u32> {
+        self.peers.intern(peer.domains.iter().map(|d| d.endpoint.as_slice()))
     }
 
     /// Picks the path of a write: same-host CUDA when either side is GPU memory and the owner
@@ -148,7 +150,7 @@ impl TransferEngine {
             Some(l) => StagedRoute {
                 bounce,
                 target: Target {
-                    addresses: l.keys.iter().map(|k| k.address.endpoint.clone()).collect(),
+                    peer: self.peers.intern(l.keys.iter().map(|k| k.address.endpoint.as_slice()))?,
                     keys: l.keys.iter().map(|k| (k.key, k.remote_base)).collect(),
                 },
                 dest: StagedDest::Landing {

@@ -181,7 +181,7 @@ impl TransferEngine {
             Some(imm) => Some(self.same_host_imm_target(imm, &dst.owner)?),
             None => None,
         };
-        Ok(Command::SameHost(SameHostTransfer { region: src.0, write: Some((local, copy)), imm, on_done }))
+        Ok(Command::SameHost(Box::new(SameHostTransfer { region: src.0, write: Some((local, copy)), imm, on_done })))
     }
 
     /// Plans a staged write (see `staging`): `pieces` are (source offset, destination offset,

@@ -94,7 +94,7 @@ impl Worker {
         let push = match inbox {
             Some((pid, process, address)) if self.inboxes.reachable(pid, process, &address) => Some(InboxPush {
                 key: (process, address.nonce),
-                peer: target.addresses.first().cloned().unwrap_or_default(),
+                peer: self.peer_endpoints(target.peer)?.first().cloned().unwrap_or_default(),
                 imm,
             }),
             _ => None,
@@ -104,8 +104,7 @@ impl Worker {
             None => {
                 let domain = (id as usize % self.domains.len()) as u16;
                 let (key, remote_base) = target.keys[domain as usize];
-                let mut cache = super::DestCache::default();
-                let dest = self.dest(&mut cache, std::slice::from_ref(&target), 0, domain)?;
+                let dest = self.peer_dest(target.peer, domain)?;
                 let d = DeferredImm { peer: 0, domain, imm };
                 self.requests.get_mut(&id).expect("live request").deferred = vec![(d, dest, key, remote_base)];
             }

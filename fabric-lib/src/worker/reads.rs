@@ -31,13 +31,13 @@ impl Worker {
         if shards.is_empty() {
             return self.finish(id, Ok(()));
         }
-        let mut cache = super::DestCache::default();
         for s in shards {
-            let dest = match self.dest(&mut cache, &targets, s.peer, s.domain) {
+            let target = &targets[s.peer as usize];
+            let (key, remote_base) = target.keys[s.domain as usize];
+            let dest = match self.peer_dest(target.peer, s.domain) {
                 Ok(d) => d,
                 Err(e) => return self.fail_request(id, e),
             };
-            let (key, remote_base) = targets[s.peer as usize].keys[s.domain as usize];
             let op = Op::Read {
                 region,
                 ptr: base + s.src_offset as usize,

@@ -292,7 +292,7 @@ impl Worker {
             Some(r) => (r.ptr as u64, r.kind),
             None => return Err(FabricError::InvalidArgument(format!("memory handle {region} was unregistered"))),
         };
-        if target.addresses.len() != self.domains.len() || target.keys.len() != self.domains.len() {
+        if target.keys.len() != self.domains.len() {
             return Err(FabricError::InvalidDescriptor("the staged destination has a key per domain missing".into()));
         }
         let mut chunk_bytes = u64::MAX;
@@ -313,9 +313,8 @@ impl Worker {
         }
         let chunks = plan_chunks_bounded(pieces.iter().copied(), chunk_bytes, max_pieces)?;
         let total: u64 = pieces.iter().map(|p| p.2).sum();
-        let dests = (0..self.domains.len())
-            .map(|d| self.domains[d].domain.resolve_peer(&target.addresses[d]))
-            .collect::<Result<Vec<_>>>()?;
+        let dests =
+            (0..self.domains.len()).map(|d| self.peer_dest(target.peer, d as u16)).collect::<Result<Vec<_>>>()?;
         let landing = match dest {
             StagedDest::Landing { dst_base, chunk_bytes, .. } => Some(ToLanding {
                 receiver: dests[0],
