@@ -85,7 +85,12 @@ impl CompletionCounter {
             self.first_error.lock().get_or_insert(e);
             self.failed.fetch_add(1, Ordering::AcqRel);
         }
-        self.done.fetch_add(1, Ordering::AcqRel);
+        self.complete_many(1);
+    }
+
+    /// Records `n` requests that succeeded.
+    pub(crate) fn complete_many(&self, n: u64) {
+        self.done.fetch_add(n, Ordering::AcqRel);
         if self.sleeping.load(Ordering::Acquire) {
             let _guard = self.lock.lock();
             self.wake.notify_all();

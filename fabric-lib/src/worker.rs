@@ -17,7 +17,7 @@ use crate::callback::CallbackQueue;
 use crate::commands::{
     Command, RecvCallback, SameHostTransfer, SendCommand, Target, TargetList, Transfer, SCRATCH_REGION,
 };
-use crate::completion::{Notify, OnDone};
+use crate::completion::{CompletionCounter, Notify, OnDone};
 use crate::config::{deadline_after, EngineConfig, PollMode};
 use crate::descriptor::MemoryKind;
 use crate::domain_state::DomainState;
@@ -260,6 +260,8 @@ struct Worker {
     stats: Arc<[DomainCounters]>,
     /// Requests finished in this round, delivered by `flush_done`.
     done: Vec<(OnDone, Result<()>)>,
+    /// Counters of requests that succeeded since the last `flush_counters`, in order.
+    counted: Vec<Arc<CompletionCounter>>,
     /// The same-host channel, opened on the first same-host GPU write.
     same_host: Option<SameHostChannel>,
     same_host_done: Vec<SameHostDone>,
@@ -350,6 +352,7 @@ impl Worker {
             imm_batch: FxHashMap::default(),
             imm_arrivals: Vec::new(),
             done: Vec::new(),
+            counted: Vec::new(),
             stats: (0..domains.len()).map(|_| DomainCounters::default()).collect(),
             same_host: None,
             same_host_done: Vec::new(),
@@ -939,6 +942,9 @@ impl Worker {
                 // anything else: an armed echo's pong leaves with no other work in between.
                 self.count_imm_batch();
             }
+            if !self.counted.is_empty() {
+                self.flush_counters();
+            }
         }
         if let Some(local) = self.same_host.as_mut() {
             let mut done = std::mem::take(&mut self.same_host_done);
@@ -964,14 +970,27 @@ impl Worker {
     fn notify(&mut self, on_done: Notify, result: Result<()>) {
         self.probe.mark(Stage::Completed);
         match on_done {
+            Notify::Counter(counter) if result.is_ok() => self.counted.push(counter),
             Notify::Counter(counter) => counter.complete(result),
             Notify::Callback(cb) => self.done.push((cb, result)),
         }
     }
 
+    /// Raises the counters of the requests that succeeded since the last call: once per run of
+    /// requests on one counter, not once per request (the counter's line, which its caller
+    /// reads, then moves to this core once per completion batch).
+    fn flush_counters(&mut self) {
+        let mut runs = self.counted.chunk_by(|a, b| Arc::ptr_eq(a, b));
+        for run in runs.by_ref() {
+            run[0].complete_many(run.len() as u64);
+        }
+        self.counted.clear();
+    }
+
     /// Hands the completions gathered in this round to the callback thread as one job (one
     /// channel send and at most one wake-up per round, not per request).
     fn flush_done(&mut self) {
+        self.flush_counters();
         match self.done.len() {
             0 => {}
             1 => {

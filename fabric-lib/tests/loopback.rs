@@ -224,3 +224,41 @@ fn paged_writes_merge_pages_adjacent_on_both_sides() {
     // 1 run + 8 pages, plus the immediate (a separate zero-byte write when there are several).
     assert_eq!(posted(&a) - before, 1 + 8 + 1, "adjacent pages were not merged");
 }
+
+#[test]
+fn counters_of_interleaved_requests_each_count_their_own() {
+    // The worker raises a counter once per run of requests on it: runs of every length, on
+    // counters interleaved in one completion batch, must still add up exactly.
+    let mut src = vec![5u8; 1 << 16];
+    let mut dst = vec![0u8; 1 << 16];
+    let a = engine("shm");
+    let b = engine("shm");
+    let (src_h, _) = register(&a, &mut src);
+    let (_, dst_desc) = register(&b, &mut dst);
+    let counters = [fabric_lib::CompletionCounter::new(), fabric_lib::CompletionCounter::new()];
+    let mut rng = common::Rng(11);
+    let mut expected = [0u64; 2];
+    for i in 0..2000u64 {
+        let which = (rng.below(3) == 0) as usize; // runs of the first, single requests of the second
+        let req = WriteRequest {
+            src: src_h,
+            src_offset: i % 1024 * 64,
+            len: 64,
+            dst: &dst_desc,
+            dst_offset: i % 1024 * 64,
+            imm: Some(3),
+            domains: DomainChoice::Shard(1),
+        };
+        a.submit_write_counted(&req, &counters[which]).unwrap();
+        expected[which] += 1;
+    }
+    for (counter, n) in counters.iter().zip(expected) {
+        counter.wait_for(n, Duration::from_secs(20)).unwrap();
+    }
+    b.wait_imm_count(3, 2000, Duration::from_secs(20)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    for (counter, n) in counters.iter().zip(expected) {
+        assert_eq!((counter.done(), counter.failed()), (n, 0), "no completion counted twice or lost");
+    }
+    assert!(dst == src, "every write landed");
+}
