@@ -90,8 +90,11 @@ impl CompletionCounter {
 
     /// Records `n` requests that succeeded.
     pub(crate) fn complete_many(&self, n: u64) {
-        self.done.fetch_add(n, Ordering::AcqRel);
-        if self.sleeping.load(Ordering::Acquire) {
+        // SeqCst on both sides (here: count, then look for a sleeper; the waiter: announce
+        // itself, then look at the count): with weaker orders each may miss the other's write,
+        // and a waiter whose last completions came in one batch would sleep to its deadline.
+        self.done.fetch_add(n, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
             let _guard = self.lock.lock();
             self.wake.notify_all();
         }
@@ -108,8 +111,8 @@ impl CompletionCounter {
                 continue;
             }
             let mut guard = self.lock.lock();
-            self.sleeping.store(true, Ordering::Release);
-            while self.done() < n {
+            self.sleeping.store(true, Ordering::SeqCst);
+            while self.done.load(Ordering::SeqCst) < n {
                 if self.wake.wait_until(&mut guard, deadline).timed_out() && self.done() < n {
                     self.sleeping.store(false, Ordering::Release);
                     return Err(FabricError::Timeout(format!(
@@ -142,5 +145,36 @@ mod tests {
         t.join().unwrap();
         assert_eq!((c.done(), c.failed()), (1000, 1));
         assert_eq!(c.first_error(), Some(FabricError::Stopped));
+    }
+
+    #[test]
+    fn a_waiter_going_to_sleep_is_woken_by_a_single_batch() {
+        // Each round's completions come as one batch, timed to land around the moment the waiter
+        // stops spinning and goes to sleep; nothing else would wake it, so a missed wake-up
+        // fails the round's wait. (The race it guards against is narrow: a regression shows as
+        // an occasional failure, not a certain one.)
+        let c = CompletionCounter::new();
+        let c2 = c.clone();
+        let turn = Arc::new(AtomicU64::new(0));
+        let turn2 = turn.clone();
+        let rounds = 3000u64;
+        let t = std::thread::spawn(move || {
+            for i in 1..=rounds {
+                while turn2.load(Ordering::Acquire) < i {
+                    std::hint::spin_loop();
+                }
+                let delay = Duration::from_nanos(40_000 + (i * 7919) % 20_000);
+                let start = Instant::now();
+                while start.elapsed() < delay {
+                    std::hint::spin_loop();
+                }
+                c2.complete_many(2);
+            }
+        });
+        for i in 1..=rounds {
+            turn.store(i, Ordering::Release);
+            c.wait_for(2 * i, Duration::from_secs(2)).unwrap_or_else(|e| panic!("round {i}: {e}"));
+        }
+        t.join().unwrap();
     }
 }
