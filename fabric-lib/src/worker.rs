@@ -980,8 +980,7 @@ impl Worker {
     /// requests on one counter, not once per request (the counter's line, which its caller
     /// reads, then moves to this core once per completion batch).
     fn flush_counters(&mut self) {
-        let mut runs = self.counted.chunk_by(|a, b| Arc::ptr_eq(a, b));
-        for run in runs.by_ref() {
+        for run in self.counted.chunk_by(Arc::ptr_eq) {
             run[0].complete_many(run.len() as u64);
         }
         self.counted.clear();
