@@ -20,9 +20,15 @@ pub(crate) const MAX_PEERS: usize = 1 << 20;
 /// A peer engine's endpoint names, one per domain.
 pub(crate) type Endpoints = Arc<[Vec<u8>]>;
 
-#[derive(Default)]
 pub(crate) struct PeerTable {
     inner: RwLock<Inner>,
+    limit: usize,
+}
+
+impl Default for PeerTable {
+    fn default() -> Self {
+        PeerTable { inner: RwLock::default(), limit: MAX_PEERS }
+    }
 }
 
 #[derive(Default)]
@@ -61,9 +67,10 @@ impl PeerTable {
         if let Some(id) = find(&inner) {
             return Ok(id);
         }
-        if inner.endpoints.len() >= MAX_PEERS {
+        if inner.endpoints.len() >= self.limit {
             return Err(FabricError::InvalidDescriptor(format!(
-                "this engine already addressed {MAX_PEERS} distinct peers; refusing another"
+                "this engine already addressed {} distinct peers; refusing another",
+                self.limit
             )));
         }
         let id = inner.endpoints.len() as u32;
@@ -97,6 +104,18 @@ mod tests {
         assert_eq!(table.intern(a.iter().map(Vec::as_slice)).unwrap(), id_a);
         assert_eq!(&*table.endpoints(id_b).unwrap(), &b[..]);
         assert!(table.endpoints(7).is_none());
+    }
+
+    #[test]
+    fn past_the_limit_new_peers_are_refused_and_known_ones_still_served() {
+        let table = PeerTable { inner: RwLock::default(), limit: 3 };
+        let lists: Vec<Vec<Vec<u8>>> = (0..4u8).map(|i| vec![vec![i; 8]]).collect();
+        for (i, list) in lists.iter().take(3).enumerate() {
+            assert_eq!(table.intern(list.iter().map(Vec::as_slice)).unwrap(), i as u32);
+        }
+        let refused = table.intern(lists[3].iter().map(Vec::as_slice));
+        assert!(matches!(refused, Err(FabricError::InvalidDescriptor(_))), "{refused:?}");
+        assert_eq!(table.intern(lists[1].iter().map(Vec::as_slice)).unwrap(), 1);
     }
 
     #[test]
