@@ -8,7 +8,7 @@ use crate::completion::{Notify, OnDone};
 use crate::descriptor::MrDescriptor;
 use crate::error::{FabricError, Result};
 use crate::requests::PeerGroup;
-use crate::sharding::{plan_imms, Shard};
+use crate::sharding::{plan_imms, ImmsPerPeer, Shard};
 
 impl TransferEngine {
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
@@ -60,7 +60,7 @@ impl TransferEngine {
                 imm: None,
             })
             .collect();
-        let imms: smallvec::SmallVec<[Option<u32>; 8]> = smallvec::smallvec![Some(imm); targets.len()];
+        let imms: ImmsPerPeer = smallvec::smallvec![Some(imm); targets.len()];
         let deferred = plan_imms(&mut shards, &imms);
         Command::Transfer(Transfer { region: SCRATCH_REGION, targets: targets.into(), shards, deferred, on_done })
     }

@@ -164,8 +164,7 @@ impl TransferEngine {
         };
         // The source must still be registered (the worker checks it again when posting).
         self.region_info(prepared.src)?;
-        let imm_per_peer: smallvec::SmallVec<[Option<u32>; 32]> =
-            named.iter().map(|&n| if n { imm } else { None }).collect();
+        let imm_per_peer: crate::sharding::ImmsPerPeer = named.iter().map(|&n| if n { imm } else { None }).collect();
         let parts = slices.iter().map(|s| (s.dst, s.src_offset, s.len, s.dst_offset));
         let (shards, deferred) = self.plan_scatter_shards(parts, &imm_per_peer, sharding);
         self.submit_transfer(Transfer {

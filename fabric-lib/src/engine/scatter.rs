@@ -15,7 +15,7 @@ use crate::error::{FabricError, Result};
 use crate::joined::Joined;
 use crate::provider::same_host::SameHostCopy;
 use crate::requests::{PeerGroup, ScatterSharding, ScatterTarget};
-use crate::sharding::{plan_imms, split_bytes, Shard};
+use crate::sharding::{plan_imms, split_bytes, ImmsPerPeer, Shard};
 
 impl TransferEngine {
     /// Writes a different slice of one local region to each target; each target's receiver
@@ -131,7 +131,8 @@ impl TransferEngine {
         on_done: Notify,
     ) -> Transfer {
         let slices = targets.iter().enumerate().map(|(p, (t, _))| (p, t.src_offset, t.len, t.dst_offset));
-        let (shards, deferred) = self.plan_scatter_shards(slices, &vec![imm; targets.len()], sharding);
+        let (shards, deferred) =
+            self.plan_scatter_shards(slices, &ImmsPerPeer::from_elem(imm, targets.len()), sharding);
         let resolved: Targets = targets.into_iter().map(|(_, target)| target).collect();
         Transfer { region: src.0, targets: resolved.into(), shards, deferred, on_done }
     }
