@@ -44,9 +44,9 @@ pub enum DomainChoice {
 /// allocation for the usual request or scatter target).
 pub type Pieces = smallvec::SmallVec<[(usize, u64, u64); 4]>;
 
-/// What each target peer of a request counts (see [`plan_imms`]); inline up to 32 peers (the
+/// What each target peer of a request counts (see [`plan_imms`]); inline up to 64 peers (the
 /// all-to-all's largest world), so planning a scatter allocates nothing for it.
-pub type ImmsPerPeer = smallvec::SmallVec<[Option<u32>; 32]>;
+pub type ImmsPerPeer = smallvec::SmallVec<[Option<u32>; 64]>;
 
 /// Splits `len` bytes over `k` domains starting at `start`: (domain, offset, len) pieces, each a
 /// multiple of [`SHARD_ALIGN`] except the last. Writes under `min_shard_len` stay whole.

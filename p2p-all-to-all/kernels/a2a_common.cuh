@@ -18,7 +18,7 @@
 //     cdata[W][Tmax][H]    bf16  partial sums of my tokens computed by each dst
 //   state (local device memory):
 //     seq[4][A2A_MAX_GRID] u32 (per kernel kind and block), poison u32, my_tokens u32,
-//     recv_tokens[W] u32, token_mask[Tmax] u32, map[W][Tmax][K] i32 (row of the expert-major
+//     recv_tokens[W] u32, token_mask[Tmax] u64 (the ranks token t went to), map[W][Tmax][K] i32 (row of the expert-major
 //     output; A2A_NOT_MINE when the slot did not come here, A2A_DROPPED when it overflowed),
 //     queue[2] u32 (combine senders' next item, by call parity)
 //   host block (pinned, mapped): err[8] u32, counts seq u64 at 64, counts[E] u32 at 128.
@@ -43,7 +43,7 @@
 #pragma once
 #include <stdint.h>
 
-#define A2A_MAX_PEERS 32
+#define A2A_MAX_PEERS 64  // rank sets are u64 masks; lane l of a warp stands for ranks l and l + 32
 #define A2A_MAX_GRID 1024   // most blocks per launch (per-block sequence counters)
 #define A2A_CHUNK_VECS 128  // 16-byte vectors per receive / combine item (2 KiB), 4 per lane
 #define A2A_SEND_VPL 8      // 16-byte vectors per lane per step when sending a token (4 KiB)
@@ -260,14 +260,17 @@ __device__ __forceinline__ uint32_t lane_id() { return threadIdx.x & 31; }
 // Every kernel comes in two builds: R = false (every rank over NVLink: the remote code is
 // compiled out, so that path is what it was without the RDMA half) and R = true.
 template <bool R>
-__device__ __forceinline__ uint32_t nvmask_of(const A2ACommon& c) {
-    return R ? (uint32_t)c.nvmask : 0xffffffffu;
+__device__ __forceinline__ uint64_t nvmask_of(const A2ACommon& c) {
+    return R ? c.nvmask : ~0ull;
 }
 
 template <bool R>
 __device__ __forceinline__ bool is_nvlink(const A2ACommon& c, uint32_t r) {
-    return (nvmask_of<R>(c) >> r) & 1u;
+    return (nvmask_of<R>(c) >> r) & 1ull;
 }
+
+// Lowest rank of a non-empty rank set.
+__device__ __forceinline__ uint32_t first_rank(uint64_t m) { return (uint32_t)(__ffsll((long long)m) - 1); }
 
 __device__ __forceinline__ uint64_t* blk_u64(const A2ACommon& c, uint64_t off) {
     return reinterpret_cast<uint64_t*>(c.blk + off);

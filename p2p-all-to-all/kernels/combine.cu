@@ -299,32 +299,38 @@ __device__ __forceinline__ void combine_recv_items(const A2ACombineRecvArgs& a, 
     const uint32_t gw = blockIdx.x * nw + wi, gws = gridDim.x * nw;
     const uint8_t* mine = shared_of(c, c.rank);
     const uint64_t* ctf = reinterpret_cast<const uint64_t*>(mine + c.off_ctf);
-    const uint32_t* token_mask = reinterpret_cast<const uint32_t*>(state_at(c, c.st_token_mask));
+    const uint64_t* token_mask = reinterpret_cast<const uint64_t*>(state_at(c, c.st_token_mask));
     for (uint32_t it = gw; it < items; it += gws) {
         const uint32_t t = it / nch, ch = it % nch;
-        const uint32_t mask = t < T ? token_mask[t] : 0u;
+        const uint64_t mask = t < T ? token_mask[t] : 0ull;
         float acc[A2A_CHUNK_VECS / 32][8];
 #pragma unroll
         for (int u = 0; u < A2A_CHUNK_VECS / 32; ++u)
 #pragma unroll
             for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
         const uint32_t v0 = ch * A2A_CHUNK_VECS, v1 = min(v0 + A2A_CHUNK_VECS, nvec);
-        // Lane d < W waits for rank d's partial (if the token went there): one round trip for all.
-        // A remote rank's flag is the proxy's: every row it returns for this call arrived.
+        // Lane l waits for the partials of ranks l and l + 32 (if the token went there): one round
+        // trip for all. A remote rank's flag is the proxy's: every row it returns for this call arrived.
+        auto flag_of = [&](uint32_t d) {
+            return d < c.world && !is_nvlink<R>(c, d) ? blk_u64(c, c.blk_crflag) + d
+                                                      : ctf + ((uint64_t)d * c.max_tokens + t) * nch + ch;
+        };
         uint64_t flag;
-        const bool mine_d = lane < c.world && ((mask >> lane) & 1u);
-        const uint64_t* fp = lane < c.world && !is_nvlink<R>(c, lane) ? blk_u64(c, c.blk_crflag) + lane
-                                                                    : ctf + ((uint64_t)lane * c.max_tokens + t) * nch + ch;
-        const uint32_t got = wait_words(c, fp, n, mine_d, flag) ? mask : 0u;  // timed out (reported)
-        const uint32_t nvm = nvmask_of<R>(c);
+        bool ok = wait_words(c, flag_of(lane), n, lane < c.world && ((mask >> lane) & 1ull), flag);
+        if (c.world > 32) {
+            const uint32_t d = lane + 32;
+            ok = wait_words(c, flag_of(d), n, d < c.world && ((mask >> d) & 1ull), flag) && ok;
+        }
+        const uint64_t got = ok ? mask : 0ull;  // timed out (reported)
+        const uint64_t nvm = nvmask_of<R>(c);
         // Partials in groups of A2A_GROUP ranks, every load of a group in flight before the adds.
-        for (uint32_t rem = got & nvm; rem;) {
+        for (uint64_t rem = got & nvm; rem;) {
             int dd[A2A_GROUP];
 #pragma unroll
             for (int g = 0; g < A2A_GROUP; ++g) {
                 dd[g] = -1;
                 if (rem) {  // warp-uniform
-                    dd[g] = __ffs(rem) - 1;
+                    dd[g] = (int)first_rank(rem);
                     rem &= rem - 1;
                 }
             }

@@ -155,13 +155,13 @@ __device__ __forceinline__ SendCtx dispatch_send_prologue(const A2ADispatchSendA
     if (remote && blockIdx.x == 0) {
         // Tokens (records) to each rank: what the proxy writes per remote rank.
         for (uint32_t t = threadIdx.x; t < T; t += blockDim.x) {
-            uint32_t m = 0;
+            uint64_t m = 0;
             for (uint32_t j = 0; j < K; ++j) {
                 bool ignored = false;
                 const int e = load_expert(a, t, j, ignored);
-                if (e >= 0) m |= 1u << (e / (int)L);
+                if (e >= 0) m |= 1ull << (e / (int)L);
             }
-            for (; m; m &= m - 1) atomicAdd(&s_tokd[__ffs(m) - 1], 1u);
+            for (; m; m &= m - 1) atomicAdd(&s_tokd[first_rank(m)], 1u);
         }
     }
     __syncthreads();
@@ -237,7 +237,7 @@ struct TmaSlot {
 // header of each slot to the slot's rank, then (release) the token's flag to every rank, carrying
 // the slots that are that rank's (0: not for it). With a TmaSlot buffer, lane 0 loads the record
 // into shared memory with the bulk copy engine and stores it from there to every destination.
-template <bool R>
+template <bool R, bool WIDE>
 __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_t n, uint32_t t, const int* pos_t, TmaSlot& tma) {
     const A2ACommon& c = a.c;
     const uint32_t W = (uint32_t)c.world, K = (uint32_t)c.topk, L = (uint32_t)c.local_experts;
@@ -249,32 +249,53 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
         p = pos_t[lane];
     }
     const int dst = e >= 0 ? e / (int)L : -1;
-    const uint32_t all_dests = __reduce_or_sync(0xffffffffu, dst >= 0 ? 1u << dst : 0u);
-    uint32_t my_slots = 0;  // lane d < W: the slots of t that go to rank d
-    for (uint32_t d = 0; d < W; ++d) {
-        const uint32_t m = __ballot_sync(0xffffffffu, dst == (int)d);
-        if (lane == d) my_slots = m;
+    const uint32_t dests_lo = __reduce_or_sync(0xffffffffu, dst >= 0 && dst < 32 ? 1u << dst : 0u);
+    const uint32_t dests_hi = WIDE ? __reduce_or_sync(0xffffffffu, dst >= 32 ? 1u << (dst - 32) : 0u) : 0u;
+    const uint64_t all_dests = ((uint64_t)dests_hi << 32) | dests_lo;
+    // The token's destinations are numbered in rank order (at most K of them, one per lane):
+    // lane i keeps the i-th one's slots of t (and its rank, until its remote record is claimed).
+    uint32_t my_dest = 0, my_slots = 0;
+    {
+        uint32_t i = 0;
+        for (uint64_t rem = all_dests; rem; rem &= rem - 1, ++i) {
+            const uint32_t d = first_rank(rem);
+            const uint32_t m = __ballot_sync(0xffffffffu, dst == (int)d);
+            if (lane == i) {
+                my_dest = d;
+                my_slots = m;
+            }
+        }
     }
-    if (lane == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_token_mask))[t] = all_dests;
+    // The slots of t that go to rank d (0 when none does); every lane must call it.
+    auto slots_of = [&](uint32_t d) {
+        const uint32_t m = __shfl_sync(0xffffffffu, my_slots, (uint32_t)__popcll(all_dests & ((1ull << d) - 1)) & 31);
+        return (all_dests >> d) & 1ull ? m : 0u;
+    };
+    if (lane == 0) reinterpret_cast<uint64_t*>(state_at(c, c.st_token_mask))[t] = all_dests;
 
     const uint64_t slot = (uint64_t)me * c.max_tokens + t;
     const uint64_t par_data = (uint64_t)par * c.world * c.max_tokens * c.rec_bytes;
     const uint64_t rec_off = c.off_data + par_data + slot * c.rec_bytes;
     // NVLink destinations get stores and flags; remote ones a record in dsend[par][d][j], j
-    // claimed by lane d (the proxy writes them on).
-    const uint32_t nvm = nvmask_of<R>(c);
-    const uint32_t dmask = all_dests & nvm, rmask = all_dests & ~nvm;
+    // claimed by the lane that keeps destination d (the proxy writes them on). Without the wide
+    // build every rank set fits the low word (fewer registers).
+    const uint64_t nvm = WIDE ? nvmask_of<R>(c) : (uint32_t)nvmask_of<R>(c);
+    const uint64_t dmask = all_dests & nvm, rmask = all_dests & ~nvm;
+    // Lane i claims the record of the i-th destination (the wide build), else lane d of rank d.
     uint32_t my_j = 0;
-    if (R && rmask && lane < W && ((rmask >> lane) & 1u)) {
-        my_j = atomicAdd(reinterpret_cast<uint32_t*>(state_at(c, c.st_rpack)) + par * W + lane, 1u);
+    const uint32_t claim = WIDE ? my_dest : lane;
+    if (R && rmask && ((rmask >> claim) & 1ull) && (WIDE ? lane < (uint32_t)__popcll(all_dests) : lane < W)) {
+        my_j = atomicAdd(reinterpret_cast<uint32_t*>(state_at(c, c.st_rpack)) + par * W + claim, 1u);
     }
-    auto remote_rec = [&](uint32_t d) {
-        const uint32_t j = __shfl_sync(0xffffffffu, my_j, d);
+    // Where the record of destination d, the i-th, goes: the NVLink peer's buffer, or the remote
+    // record claimed for it. Every lane must call these (they shuffle).
+    auto remote_rec = [&](uint32_t i, uint32_t d) {
+        const uint32_t j = __shfl_sync(0xffffffffu, my_j, WIDE ? i : d);
         return reinterpret_cast<uint8_t*>(c.dsend) + (((uint64_t)par * W + d) * c.max_tokens + j) * c.rrec_bytes;
     };
-    // Every destination of the token: NVLink peers' records, then remote records.
-    const uint32_t every = dmask | rmask;
-    auto rec_of = [&](uint32_t d) { return (nvm >> d) & 1u ? shared_of(c, d) + rec_off : remote_rec(d); };
+    auto rec_at = [&](uint32_t i, uint32_t d) {
+        return !R || ((nvm >> d) & 1ull) ? shared_of(c, d) + rec_off : remote_rec(i, d);
+    };
 
     const bool use_tma = dmask && tma.buf && !rmask;  // the host enables TMA only without remote ranks
     if (use_tma) {
@@ -291,17 +312,17 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
         mbar_wait(tma.bar, tma.phase);
         tma.phase ^= 1;
         if (lane == 0) {
-            for (uint32_t rem = dmask; rem; rem &= rem - 1) {
-                const uint32_t d = __ffs(rem) - 1;
+            for (uint64_t rem = dmask; rem; rem &= rem - 1) {
+                const uint32_t d = first_rank(rem);
                 tma_store(shared_of(c, d) + rec_off, tma.buf, dbytes + sbytes);
             }
             tma_commit();
         }
-        if (dst >= 0 && ((nvm >> dst) & 1u)) {
+        if (dst >= 0 && ((nvm >> dst) & 1ull)) {
             dispatch_arrays(c, dst, par).hdr[slot * K + lane] = make_int2(e % (int)L, p);
         }
         if (lane == 0) tma_wait_writes();  // also frees the buffer for the next token
-    } else if (every) {
+    } else if (all_dests) {
         const int4* src = reinterpret_cast<const int4*>(a.x + (uint64_t)t * a.x_stride);
         const uint32_t nvec = (uint32_t)(c.data_bytes / 16);
         for (uint32_t v0 = 0; v0 < nvec; v0 += 32 * A2A_SEND_VPL) {
@@ -311,9 +332,9 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
                 const uint32_t k = v0 + u * 32 + lane;
                 if (k < nvec) v[u] = __ldg(src + k);
             }
-            for (uint32_t rem = every; rem; rem &= rem - 1) {
-                const uint32_t d = __ffs(rem) - 1;
-                int4* out = reinterpret_cast<int4*>(rec_of(d));
+            uint32_t i = 0;
+            for (uint64_t rem = all_dests; rem; rem &= rem - 1, ++i) {
+                int4* out = reinterpret_cast<int4*>(rec_at(i, first_rank(rem)));
 #pragma unroll
                 for (int u = 0; u < A2A_SEND_VPL; ++u) {
                     const uint32_t k = v0 + u * 32 + lane;
@@ -325,9 +346,10 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
         if (S) {
             const uint8_t* sc = reinterpret_cast<const uint8_t*>(a.scales + (uint64_t)t * a.scales_stride);
             const bool vec = ((a.scales | a.scales_stride) & 15) == 0 && (S & 3) == 0;
-            // Destinations outer: rec_of shuffles across the warp, so every lane must call it.
-            for (uint32_t rem = every; rem; rem &= rem - 1) {
-                uint8_t* so = rec_of(__ffs(rem) - 1) + c.data_bytes;
+            // Destinations outer: rec_at shuffles across the warp, so every lane must call it.
+            uint32_t i = 0;
+            for (uint64_t rem = all_dests; rem; rem &= rem - 1, ++i) {
+                uint8_t* so = rec_at(i, first_rank(rem)) + c.data_bytes;
                 if (vec) {
                     for (uint32_t q = lane; q < S / 4; q += 32) {
                         reinterpret_cast<int4*>(so)[q] = __ldg(reinterpret_cast<const int4*>(sc) + q);
@@ -339,15 +361,17 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
                 }
             }
         }
-        if (dst >= 0 && ((nvm >> dst) & 1u)) {
+        if (dst >= 0 && ((nvm >> dst) & 1ull)) {
             dispatch_arrays(c, dst, par).hdr[slot * K + lane] = make_int2(e % (int)L, p);
         }
         // Remote records carry their header after the record: (token, slots), then per slot
         // (local expert, position) or (-1, -1).
-        for (uint32_t rem = rmask; rem; rem &= rem - 1) {
-            const uint32_t d = __ffs(rem) - 1;
-            int2* h = reinterpret_cast<int2*>(remote_rec(d) + c.rec_bytes);
-            const uint32_t sl = __shfl_sync(0xffffffffu, my_slots, d);
+        uint32_t i = 0;
+        for (uint64_t rem = R ? all_dests : 0; rem; rem &= rem - 1, ++i) {
+            const uint32_t d = first_rank(rem);
+            if ((nvm >> d) & 1ull) continue;  // warp-uniform
+            int2* h = reinterpret_cast<int2*>(remote_rec(i, d) + c.rec_bytes);
+            const uint32_t sl = __shfl_sync(0xffffffffu, my_slots, i);
             if (lane == 0) h[0] = make_int2((int)t, (int)sl);
             if (lane < K) h[1 + lane] = dst == (int)d ? make_int2(e % (int)L, p) : make_int2(-1, -1);
         }
@@ -359,11 +383,19 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
         // Lane 0 saw its bulk stores complete: it releases every rank's flag itself.
         if (lane == 0) fence_acq_rel_sys();
         for (uint32_t d = 0; d < W; ++d) {
-            const uint32_t sl = __shfl_sync(0xffffffffu, my_slots, d);
-            if (lane == 0 && ((nvm >> d) & 1u)) st_relaxed_sys(dispatch_arrays(c, d, par).dtf + slot, ((uint64_t)n << 32) | sl);
+            const uint32_t sl = slots_of(d);
+            if (lane == 0 && ((nvm >> d) & 1ull)) st_relaxed_sys(dispatch_arrays(c, d, par).dtf + slot, ((uint64_t)n << 32) | sl);
         }
-    } else if (lane < W && ((nvm >> lane) & 1u)) {
-        st_release_sys(dispatch_arrays(c, lane, par).dtf + slot, ((uint64_t)n << 32) | my_slots);
+    } else {
+        // Lane l raises rank l's flag, and rank l + 32's in groups of more than 32.
+        const uint32_t sl = slots_of(lane);
+        if (lane < W && ((nvm >> lane) & 1ull)) st_release_sys(dispatch_arrays(c, lane, par).dtf + slot, ((uint64_t)n << 32) | sl);
+        if (WIDE) {
+            const uint32_t sh = slots_of(lane + 32);
+            if (lane + 32 < W && ((nvm >> (lane + 32)) & 1ull)) {
+                st_release_sys(dispatch_arrays(c, lane + 32, par).dtf + slot, ((uint64_t)n << 32) | sh);
+            }
+        }
     }
 }
 
@@ -372,7 +404,7 @@ __device__ __forceinline__ void send_token(const A2ADispatchSendArgs& a, uint32_
 // ... per warp ended the prefill dispatch 6 us later: releases wait behind the NVLink queue for
 // longer on some warps than on others.)
 // tma_smem: see A2ADispatchArgs (0: registers).
-template <bool R>
+template <bool R, bool WIDE>
 __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& a, const SendCtx& x, uint32_t wi, uint32_t nw,
                                                      uint64_t tma_smem) {
     const uint32_t K = (uint32_t)a.c.topk;
@@ -390,7 +422,7 @@ __device__ __forceinline__ void dispatch_send_tokens(const A2ADispatchSendArgs& 
         if (lane_id() == 0) k = atomicAdd(x.next, 1u);
         const uint32_t t = x.cs + __shfl_sync(0xffffffffu, k, 0);
         if (t >= x.ce) break;
-        send_token<R>(a, x.n, t, x.pos + (t - x.cs) * K, tma);
+        send_token<R, WIDE>(a, x.n, t, x.pos + (t - x.cs) * K, tma);
     }
     if (R) {
         // The last sending warp of the launch tells the proxy that every remote record is packed.
@@ -425,14 +457,14 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
     const uint32_t par = n & 1;
     const DispatchArrays mine = dispatch_arrays(c, me, par);
 
-    if (rt < W) {
+    for (uint32_t s = rt; s < W; s += nrt) {
         // NVLink sources: (seq, tokens) from the source itself; remote ones: (seq, records) from
         // the proxy once every count message is in.
-        const uint64_t* flag = is_nvlink<R>(c, rt) ? mine.dcf + rt : blk_u64(c, c.blk_rcf) + par * W + rt;
+        const uint64_t* flag = is_nvlink<R>(c, s) ? mine.dcf + s : blk_u64(c, c.blk_rcf) + par * W + s;
         const uint64_t v = wait_flag(c, flag, n);
-        s_ok[rt] = v != 0;
-        s_T[rt] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
-        if (blockIdx.x == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[rt] = s_T[rt];
+        s_ok[s] = v != 0;
+        s_T[s] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
+        if (blockIdx.x == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[s] = s_T[s];
     }
     bar_sync(1, nrt);
     // Every (local expert, source) count at once, then each expert's prefix over sources.
@@ -564,15 +596,15 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
     if (!R || s_rpre[W] == 0) return;
     const uint32_t ritems = s_rpre[W] * nch;
     const uint64_t Q = c.private_tokens;
-    uint32_t ready = 0;
+    uint64_t ready = 0;  // remote sources whose records this warp saw complete
     for (uint32_t it = gw; it < ritems; it += gws) {
         const uint32_t rec_no = it / nch, ch = it % nch;
         uint32_t s = 0;
         while (s + 1 < W && rec_no >= s_rpre[s + 1]) ++s;
         const uint32_t j = rec_no - s_rpre[s];
-        if (!((ready >> s) & 1u)) {
+        if (!((ready >> s) & 1ull)) {
             if (wait_flag(c, blk_u64(c, c.blk_rflag) + par * W + s, n) == 0) continue;  // timed out (reported)
-            ready |= 1u << s;
+            ready |= 1ull << s;
         }
         uint64_t at = (uint64_t)par * c.drecv_records;
         if (j < Q) {
@@ -636,10 +668,10 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
     }
 }
 
-template <bool R>
+template <bool R, bool WIDE>
 __device__ __forceinline__ void a2a_dispatch_send_body(const A2ADispatchSendArgs& a) {
     const SendCtx x = dispatch_send_prologue<R>(a, false);
-    dispatch_send_tokens<R>(a, x, threadIdx.x / 32, A2A_WARPS, 0);
+    dispatch_send_tokens<R, WIDE>(a, x, threadIdx.x / 32, A2A_WARPS, 0);
 }
 
 template <bool R>
@@ -660,25 +692,31 @@ __device__ __forceinline__ void a2a_dispatch_recv_body(const A2ADispatchRecvArgs
 // No warp waits for another block of its own launch; receivers wait for peers' flags, which
 // peers raise from their send parts (no waits there). The grid is two blocks per multiprocessor,
 // resident together when the GPU runs nothing else.
-template <bool R>
+template <bool R, bool WIDE>
 __device__ __forceinline__ void a2a_dispatch_body(const A2ADispatchArgs& a) {
     const SendCtx x = dispatch_send_prologue<R>(a.send, true);
     const uint32_t warp = threadIdx.x / 32;
     const uint32_t S = (uint32_t)a.send_warps;
     if (S == 0 || S >= A2A_WARPS) {
-        dispatch_send_tokens<R>(a.send, x, warp, A2A_WARPS, 0);
+        dispatch_send_tokens<R, WIDE>(a.send, x, warp, A2A_WARPS, 0);
         dispatch_recv_body<R>(a.recv, x.n, 0);
     } else if (warp < S) {
-        dispatch_send_tokens<R>(a.send, x, warp, S, a.tma_smem);
+        dispatch_send_tokens<R, WIDE>(a.send, x, warp, S, a.tma_smem);
     } else {
         dispatch_recv_body<R>(a.recv, x.n, S);
     }
 }
 
 // The two builds of every kernel (see nvmask_of in a2a_common.cuh); the host picks one per object.
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<false>(a); }
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send_remote(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<false, false>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send_remote(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<true, false>(a); }
 extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv(const A2ADispatchRecvArgs a) { a2a_dispatch_recv_body<false>(a); }
 extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_recv_remote(const A2ADispatchRecvArgs a) { a2a_dispatch_recv_body<true>(a); }
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch(const A2ADispatchArgs a) { a2a_dispatch_body<false>(a); }
-extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_remote(const A2ADispatchArgs a) { a2a_dispatch_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch(const A2ADispatchArgs a) { a2a_dispatch_body<false, false>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_remote(const A2ADispatchArgs a) { a2a_dispatch_body<true, false>(a); }
+// Groups of more than 32 ranks: the sending side's rank sets take two words per warp (the wide
+// builds keep them out of the common case's registers).
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send_wide(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<false, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_send_remote_wide(const A2ADispatchSendArgs a) { a2a_dispatch_send_body<true, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_wide(const A2ADispatchArgs a) { a2a_dispatch_body<false, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) a2a_dispatch_remote_wide(const A2ADispatchArgs a) { a2a_dispatch_body<true, true>(a); }

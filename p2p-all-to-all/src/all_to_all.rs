@@ -199,7 +199,7 @@ impl AllToAll {
             ));
         }
         let layout = Layout::new(&cfg);
-        let kernels = Kernels::load(&ctx, topo.has_remote() && remote.is_some())?;
+        let kernels = Kernels::load(&ctx, topo.has_remote() && remote.is_some(), cfg.world_size > 32)?;
         // Tokens to remote ranks are packed by the register path only.
         let tma = !topo.has_remote()
             && std::env::var(ENV_TMA).is_ok_and(|v| v.trim() == "1")
@@ -352,12 +352,12 @@ impl AllToAll {
             peer_ptrs[r] = mapping.ptr() + h.offset;
             peers.push(mapping);
         }
-        let mut nvmask = (1u64 << w) - 1;
+        let mut nvmask = u64::MAX >> (64 - w); // every rank (w is 1..=64)
         let mut rc = RemoteCommon::default();
         if let Some(rp) = &mut self.remote {
             let exports: Vec<&[u8]> = handles.iter().map(|b| &b[HANDLE_LEN..]).collect();
             rp.connect(&exports)?;
-            nvmask = u64::from(rp.topo.nvlink_mask(self.cfg.rank));
+            nvmask = rp.topo.nvlink_mask(self.cfg.rank);
             let [blk, dsend, drecv, csend, crecv] = rp.device_ptrs();
             let (b, rl) = (&rp.block, &rp.layout);
             rc = RemoteCommon {

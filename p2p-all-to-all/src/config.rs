@@ -3,9 +3,9 @@ use std::time::Duration;
 
 use crate::error::{invalid, Result};
 
-/// Most ranks of one all-to-all group (the kernels give each rank one lane of a warp and one bit
-/// of a 32-bit mask; also the size of the NVLink peer table in their parameters).
-pub const MAX_PEERS: usize = 32;
+/// Most ranks of one all-to-all group (the kernels keep sets of ranks in 64-bit masks and give
+/// each warp lane two ranks; also the size of the NVLink peer table in their parameters).
+pub const MAX_PEERS: usize = 64;
 /// Most experts (the send kernel keeps two counters per expert in shared memory).
 pub const MAX_EXPERTS: usize = 1024;
 /// Most experts per token (one warp lane per slot).
@@ -165,7 +165,7 @@ mod tests {
         type Mutation = Box<dyn Fn(&mut Config)>;
         let cases: Vec<Mutation> = vec![
             Box::new(|c| c.world_size = 0),
-            Box::new(|c| c.world_size = 33),
+            Box::new(|c| c.world_size = 65),
             Box::new(|c| c.rank = 4),
             Box::new(|c| c.num_experts = 255),
             Box::new(|c| c.num_experts = 2048),

@@ -22,17 +22,19 @@ pub struct Kernels {
 
 impl Kernels {
     /// Loads the embedded fatbin into `ctx`: the build with the RDMA half (`remote`) or the one
-    /// where every rank is reached over NVLink (the remote code compiled out).
-    pub fn load(ctx: &Arc<Context>, remote: bool) -> Result<Self> {
+    /// where every rank is reached over NVLink (the remote code compiled out); for groups of
+    /// more than 32 ranks (`wide`), the dispatch send builds that keep rank sets in two words.
+    pub fn load(ctx: &Arc<Context>, remote: bool, wide: bool) -> Result<Self> {
         let module = Module::load(ctx, kernel_image()?)?;
         let suffix = if remote { "_remote" } else { "" };
         let f = |name: &str| module.function(&format!("{name}{suffix}"));
+        let send = |name: &str| module.function(&format!("{name}{suffix}{}", if wide { "_wide" } else { "" }));
         Ok(Kernels {
-            dispatch_send: f("a2a_dispatch_send")?,
+            dispatch_send: send("a2a_dispatch_send")?,
             dispatch_recv: f("a2a_dispatch_recv")?,
             combine_send: f("a2a_combine_send")?,
             combine_recv: f("a2a_combine_recv")?,
-            dispatch: f("a2a_dispatch")?,
+            dispatch: send("a2a_dispatch")?,
             combine: f("a2a_combine")?,
         })
     }

@@ -70,7 +70,7 @@ pub struct Layout {
     pub st_my_tokens: usize,
     /// `recv_tokens[W]` u32.
     pub st_recv_tokens: usize,
-    /// `token_mask[Tmax]` u32.
+    /// `token_mask[Tmax]` u64: the ranks each of my tokens went to.
     pub st_token_mask: usize,
     /// `map[W][Tmax][K]` i32.
     pub st_map: usize,
@@ -121,7 +121,7 @@ impl Layout {
         let st_poison = state.take(4);
         let st_my_tokens = state.take(4);
         let st_recv_tokens = state.take(4 * w);
-        let st_token_mask = state.take(4 * t);
+        let st_token_mask = state.take(8 * t);
         let st_map = state.take(4 * w * t * k);
         let st_queue = state.take(4 * 2);
         let st_rpack = state.take(4 * 2 * w);

@@ -4,7 +4,7 @@ use crate::config::MAX_PEERS;
 
 /// Per-object constants shared by every kernel.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct Common {
     pub rank: u64,
     pub world: u64,

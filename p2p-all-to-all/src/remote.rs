@@ -47,9 +47,9 @@ impl Topology {
     }
 
     /// Bit mask of the ranks in `r`'s domain.
-    pub fn nvlink_mask(&self, r: usize) -> u32 {
+    pub fn nvlink_mask(&self, r: usize) -> u64 {
         let first = self.domain_of(r) * self.nvlink;
-        (first..first + self.nvlink).fold(0u32, |m, q| m | (1 << q))
+        (first..first + self.nvlink).fold(0u64, |m, q| m | (1 << q))
     }
 }
 
@@ -265,7 +265,7 @@ mod tests {
         let mut c = Counts::new(w, w * l);
         for s in 0..w {
             for _ in 0..rng.next(t + 1) {
-                let mut dests = 0u32;
+                let mut dests = 0u64;
                 for _ in 0..k {
                     if rng.next(8) == 0 {
                         continue; // no expert
@@ -275,7 +275,7 @@ mod tests {
                     dests |= 1 << (e / l);
                 }
                 for d in 0..w {
-                    c.tok[s][d] += (dests >> d) & 1;
+                    c.tok[s][d] += ((dests >> d) & 1) as u32;
                 }
             }
         }

@@ -281,12 +281,17 @@ SCENARIOS: dict[str, Callable[[Layout, Any], None]] = {
 # -------------------------------------------------------------------------------- in each rank
 
 
-def join_world() -> None:
+def join_world(timeout: float = 120) -> None:
     """gloo process group (ranks may share a GPU); rank r on GPU r % count."""
     from fabric_lib.testing import this_rank
 
     torch.cuda.set_device(this_rank().rank % torch.cuda.device_count())
-    init_process_group("gloo", timeout=120)
+    init_process_group("gloo", timeout=timeout)
+
+
+def join_wide_world() -> None:
+    """join_world for many ranks on one GPU: they reach the closing barrier minutes apart."""
+    join_world(timeout=WORKER_TIMEOUT_S)
 
 
 def leave_world(_state: None) -> None:
@@ -387,9 +392,18 @@ def test_killed_remote_rank_raises_a_typed_timeout(layout: Layout) -> None:
         assert ranks[victim].exitcode == 17
 
 
-# ------------------------------------------------------------------- more than 16 ranks
+# ------------------------------------------------------------------- more than 32 ranks
 
-WIDE = Layout("tcp_wide", "tcp", world=int(os.environ.get("A2A_WIDE_WORLD", "20")), nvlink=1)
+# Past 32 ranks the kernels keep rank sets in two words and a lane stands for two ranks (the
+# wide builds of the dispatch send). 40 ranks in NVLink domains of 4 (all on the one GPU): ranks
+# 32-39 are NVLink peers of each other and remote to everyone else. A2A_WIDE_WORLD (up to 64)
+# and A2A_WIDE_NVLINK (a divisor of it; 1: everything through the engine) change the layout.
+WIDE = Layout(
+    "tcp_wide",
+    "tcp",
+    world=int(os.environ.get("A2A_WIDE_WORLD", "40")),
+    nvlink=int(os.environ.get("A2A_WIDE_NVLINK", "4")),
+)
 
 
 def sc_wide(layout: Layout, gen: Any) -> None:
@@ -399,7 +413,7 @@ def sc_wide(layout: Layout, gen: Any) -> None:
         for kind in ("uniform", "skewed"):
             round_trip(a2a, kind, MAX_TOKENS, gen)
         dispatches, combines = a2a.proxy_stats()
-        remote = a2a.world_size - 1
+        remote = a2a.world_size - layout.nvlink
         assert all(s["data_writes"] <= 2 * remote for s in dispatches), dispatches
         assert all(c["writes"] == remote for c in combines), combines
         a2a.destroy()
@@ -407,18 +421,22 @@ def sc_wide(layout: Layout, gen: Any) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(WORKER_TIMEOUT_S + 240)
-def test_a_world_wider_than_sixteen_ranks() -> None:
-    """20 ranks (one lane of a warp and one mask bit each; up to 32), all through the engine:
-    results equal the reference. Slow on one shared GPU: every rank gets a time slice."""
+def test_a_world_of_more_than_thirty_two_ranks() -> None:
+    """40 ranks (ranks 32 and up in the high word of every rank set), over NVLink and through
+    the engine: results equal the reference. Slow on one shared GPU: every rank gets a time
+    slice."""
     _skip_unless_usable(WIDE)
-    with spawn_ranks(WIDE.world, setup=join_world, teardown=leave_world, timeout=240) as ranks:
+    with spawn_ranks(WIDE.world, setup=join_wide_world, teardown=leave_world, timeout=240) as ranks:
+        pending = ranks.submit_all(run_scenario, WIDE, "wide")
         try:
-            outcomes = gather(ranks.submit_all(run_scenario, WIDE, "wide"), WORKER_TIMEOUT_S)
+            outcomes = gather(pending, WORKER_TIMEOUT_S)
         except Exception as e:
-            # The first rank to report may only have lost a peer: name every rank that exited.
+            # The first rank to report may only have lost a peer: name every rank that exited and
+            # what the ranks that answered found.
             time.sleep(2)
             exited = {r: ranks[r].exitcode for r in range(WIDE.world) if ranks[r].exitcode is not None}
-            raise AssertionError(f"ranks that exited: {exited}") from e
+            found = {r: p._value for r, p in enumerate(pending) if p.done and p._value not in (None, "ok")}
+            raise AssertionError(f"ranks that exited: {exited}; failures reported: {found}") from e
     failures = [f"rank {r}:\n{o}" for r, o in enumerate(outcomes) if o != "ok"]
     assert not failures, "\n".join(failures)
 

@@ -127,8 +127,8 @@ impl TransferEngine {
             return Err(FabricError::InvalidArgument("scatter with no slices".into()));
         }
         // Which destinations the call names (at most one slice each): their receivers count `imm`.
-        // Inline up to 32 destinations (the all-to-all's largest world): nothing to allocate.
-        let mut named: smallvec::SmallVec<[bool; 32]> = smallvec::smallvec![false; prepared.len()];
+        // Inline up to 64 destinations (the all-to-all's largest world): nothing to allocate.
+        let mut named: smallvec::SmallVec<[bool; 64]> = smallvec::smallvec![false; prepared.len()];
         for s in slices {
             let Some(&dst_len) = prepared.dst_lens.get(s.dst) else {
                 return Err(FabricError::InvalidArgument(format!(

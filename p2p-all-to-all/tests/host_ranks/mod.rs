@@ -66,7 +66,7 @@ fn routing(seed: u64, n: u64, world: usize, skew: bool) -> Counts {
         // Rank 1 sends nothing on every third call (an empty rank).
         let tokens = if s == 1 && n % 3 == 0 { 0 } else { next(MAX_TOKENS as u64 + 1) as usize };
         for _ in 0..tokens {
-            let mut dests = 0u32;
+            let mut dests = 0u64;
             for slot in 0..TOPK {
                 let e = if skew { slot % experts } else { next(experts as u64 + 1) as usize };
                 if e == experts {
@@ -76,7 +76,7 @@ fn routing(seed: u64, n: u64, world: usize, skew: bool) -> Counts {
                 dests |= 1 << (e / EXPERTS_PER_RANK);
             }
             for d in 0..world {
-                c.tok[s][d] += (dests >> d) & 1;
+                c.tok[s][d] += ((dests >> d) & 1) as u32;
             }
         }
     }
