@@ -46,6 +46,25 @@ fn mixed_domains_and_skew_over_tcp() {
 }
 
 #[test]
+fn more_than_thirty_two_ranks_in_nvlink_domains() {
+    // 40 ranks in domains of 4 over shm: ranks 32-39 form a domain (high bits of every rank
+    // set), and each rank has 36 remote ranks, most of them sent no private rows.
+    let sc = Scenario {
+        provider: "shm",
+        world: 40,
+        nvlink: 4,
+        private_tokens: 4,
+        calls: 3,
+        skew: false,
+        dies: None,
+        fence: false,
+        scatter: true,
+        ..Default::default()
+    };
+    all_ok(run(sc), 3);
+}
+
+#[test]
 fn reordering_provider_exactly_once() {
     // udp;ofi_rxd completes writes out of order: completion is learnt from counts only.
     let sc = Scenario {
