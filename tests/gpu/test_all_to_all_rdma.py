@@ -42,6 +42,13 @@ MAX_TOKENS = 48
 WORKER_TIMEOUT_S = int(os.environ.get("A2A_TEST_TIMEOUT", "300"))
 
 
+def _cuda_gpus() -> int:
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - no usable CUDA counts as none
+        return 0
+
+
 @dataclass(frozen=True)
 class Layout:
     """One deployment: the provider, its options, world size and NVLink domain size."""
@@ -315,6 +322,8 @@ def run_scenario(_state: None, layout: Layout, name: str) -> str:
 
 
 def _skip_unless_usable(layout: Layout) -> None:
+    if not _cuda_gpus():
+        pytest.skip("needs a CUDA GPU")
     if not fabric_lib._rust.AllToAll.kernel_archs():
         pytest.skip("fabric_lib was built without nvcc: no all-to-all kernels")
     if layout.gpu_buffers:
