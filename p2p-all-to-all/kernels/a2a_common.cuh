@@ -18,8 +18,9 @@
 //     cdata[W][Tmax][H]    bf16  partial sums of my tokens computed by each dst
 //   state (local device memory):
 //     seq[4][A2A_MAX_GRID] u32 (per kernel kind and block), poison u32, my_tokens u32,
-//     recv_tokens[W] u32, token_mask[Tmax] u64 (the ranks token t went to), map[W][Tmax][K] i32 (row of the expert-major
-//     output; A2A_NOT_MINE when the slot did not come here, A2A_DROPPED when it overflowed),
+//     recv_tokens[W] u32, token_mask[Tmax] u64 (the ranks token t went to), map[W][Tmax][K] i32
+//     (row of the expert-major output; A2A_NOT_MINE when the slot did not come here,
+//     A2A_DROPPED when it overflowed),
 //     queue[2] u32 (combine senders' next item, by call parity)
 //   host block (pinned, mapped): err[8] u32, counts seq u64 at 64, counts[E] u32 at 128.
 //

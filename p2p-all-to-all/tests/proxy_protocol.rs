@@ -55,9 +55,6 @@ fn more_than_thirty_two_ranks_in_nvlink_domains() {
         nvlink: 4,
         private_tokens: 4,
         calls: 3,
-        skew: false,
-        dies: None,
-        fence: false,
         scatter: true,
         ..Default::default()
     };

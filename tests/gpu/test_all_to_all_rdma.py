@@ -42,7 +42,7 @@ MAX_TOKENS = 48
 WORKER_TIMEOUT_S = int(os.environ.get("A2A_TEST_TIMEOUT", "300"))
 
 
-def _cuda_gpus() -> int:
+def _gpu_count() -> int:
     try:
         return int(torch.cuda.device_count())
     except Exception:  # noqa: BLE001 - no usable CUDA counts as none
@@ -322,7 +322,7 @@ def run_scenario(_state: None, layout: Layout, name: str) -> str:
 
 
 def _skip_unless_usable(layout: Layout) -> None:
-    if not _cuda_gpus():
+    if not _gpu_count():
         pytest.skip("needs a CUDA GPU")
     if not fabric_lib._rust.AllToAll.kernel_archs():
         pytest.skip("fabric_lib was built without nvcc: no all-to-all kernels")
