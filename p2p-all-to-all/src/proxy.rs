@@ -260,6 +260,10 @@ struct State {
     writes: Arc<CompletionCounter>,
     remote: Vec<usize>,
     scatters: Scatters,
+    /// Whether this pass of the loop looks for arrivals (see `run`).
+    poll_arrivals: bool,
+    /// The engine's arrivals generation when arrivals were last looked for.
+    polled_generation: u64,
 }
 
 /// Which of the proxy's scatters a post belongs to.
@@ -357,6 +361,8 @@ impl State {
             writes: CompletionCounter::new(),
             remote,
             scatters,
+            poll_arrivals: true,
+            polled_generation: u64::MAX,
             cfg,
         })
     }
@@ -398,8 +404,16 @@ impl State {
         }
         let mut last_work = Instant::now();
         let mut failed_seen = 0;
+        let mut progressed = true;
         while !self.shared.stop.load(Ordering::Acquire) {
-            let mut progressed = false;
+            // A pass that follows one which changed nothing, with no arrivals counted since,
+            // would take nothing either: it skips the counter table (and its lock) entirely.
+            let generation = self.engine.imm_arrivals_generation();
+            self.poll_arrivals = progressed || generation != self.polled_generation;
+            if self.poll_arrivals {
+                self.polled_generation = generation;
+            }
+            progressed = false;
             if self.shared.error.lock().is_none() {
                 // Combine first: its `cdone` names the dispatch whose counts it uses.
                 progressed |= self.combine_step();
@@ -419,6 +433,11 @@ impl State {
                 std::hint::spin_loop();
             }
         }
+    }
+
+    /// Consumes `n` arrivals of `imm` if they are there, in a pass that looks for arrivals.
+    fn take(&self, imm: u32, n: u64) -> bool {
+        self.poll_arrivals && self.engine.try_take_imm_count(imm, n)
     }
 
     /// Runs the placement fence (if any); false after recording its failure.
@@ -555,20 +574,7 @@ impl State {
             d.sample.remote_peers = self.remote.len() as u32;
             progressed = true;
         }
-        for s in 0..w {
-            if self.dispatch.known[s] || !self.engine.try_take_imm_count(imm(ImmKind::Counts, n as u32, s), 1) {
-                continue;
-            }
-            let msg = self.bytes_at(self.block.msg_in_at(p, s), self.block.msg_bytes);
-            let (seq, tok, hist) = decode_counts(msg, w, self.cfg.layout.num_experts);
-            if seq != n {
-                self.fail(format!("rank {s}'s count message is for dispatch {seq}, expected {n}"));
-                return true;
-            }
-            self.store_counts(p, s, tok, hist);
-            self.dispatch.known[s] = true;
-            progressed = true;
-        }
+        // Before reading the others' counts: the private writes need only this rank's.
         if !self.dispatch.private_posted && self.u64_at(self.block.ddone).load(Ordering::Acquire) >= n {
             let signal = Instant::now();
             let lay = self.cfg.layout;
@@ -590,6 +596,20 @@ impl State {
             sample.data_first_write_at = first;
             sample.post_per_peer_ns = signal.elapsed().as_nanos() as u64 / self.remote.len().max(1) as u64;
             self.dispatch.private_posted = true;
+            progressed = true;
+        }
+        for s in 0..w {
+            if self.dispatch.known[s] || !self.take(imm(ImmKind::Counts, n as u32, s), 1) {
+                continue;
+            }
+            let msg = self.bytes_at(self.block.msg_in_at(p, s), self.block.msg_bytes);
+            let (seq, tok, hist) = decode_counts(msg, w, self.cfg.layout.num_experts);
+            if seq != n {
+                self.fail(format!("rank {s}'s count message is for dispatch {seq}, expected {n}"));
+                return true;
+            }
+            self.store_counts(p, s, tok, hist);
+            self.dispatch.known[s] = true;
             progressed = true;
         }
         if self.dispatch.private_posted {
@@ -642,7 +662,7 @@ impl State {
                 }
                 let records = self.counts[p].tok[s][me] as usize;
                 let expect = u64::from(records.min(q) > 0) + u64::from(records > q);
-                if expect > 0 && !self.engine.try_take_imm_count(imm(ImmKind::DispatchData, n as u32, s), expect) {
+                if expect > 0 && !self.take(imm(ImmKind::DispatchData, n as u32, s), expect) {
                     continue;
                 }
                 if expect > 0 && !self.placed() {
@@ -724,7 +744,7 @@ impl State {
         }
         for i in 0..self.remote.len() {
             let d = self.remote[i];
-            if !self.combine.got[d] && self.engine.try_take_imm_count(imm(ImmKind::Combine, cn as u32, d), 1) {
+            if !self.combine.got[d] && self.take(imm(ImmKind::Combine, cn as u32, d), 1) {
                 if !self.placed() {
                     return true;
                 }

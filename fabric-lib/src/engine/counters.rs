@@ -39,6 +39,13 @@ impl TransferEngine {
         self.imm.try_take(imm, n)
     }
 
+    /// A number that changes whenever arrivals are counted. A poller that read it before a
+    /// pass of [`TransferEngine::try_take_imm_count`] calls that took nothing, and reads the
+    /// same number again, knows those calls would still take nothing.
+    pub fn imm_arrivals_generation(&self) -> u64 {
+        self.imm.generation()
+    }
+
     /// Counts `imm` even while a generic immediate callback is installed.
     pub fn claim_imm(&self, imm: u32) {
         self.imm.claim(imm)

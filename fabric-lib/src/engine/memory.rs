@@ -195,6 +195,8 @@ impl TransferEngine {
         if !self.regions.read().contains_key(&handle.0) {
             return Err(FabricError::InvalidArgument(format!("memory handle {} is not registered", handle.0)));
         }
+        // Before the release: calls after this one returns look the region up again.
+        self.released_regions.fetch_add(1, Ordering::AcqRel);
         self.request(|reply| Command::Unregister { region: handle.0, reply })?;
         self.regions.write().remove(&handle.0);
         Ok(())

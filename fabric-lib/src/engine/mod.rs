@@ -73,6 +73,9 @@ pub struct TransferEngine {
     refused_immediates: Arc<AtomicU64>,
     regions: RwLock<rustc_hash::FxHashMap<u64, RegionInfo>>,
     next_region: AtomicU64,
+    /// Registrations released so far: a prepared scatter made after the last release knows its
+    /// source is still registered without looking it up.
+    pub(crate) released_regions: AtomicU64,
     /// Rotates the first domain of successive requests so load spreads over every NIC.
     pub(crate) next_domain: AtomicUsize,
     pub(crate) peer_groups: RwLock<HashMap<u64, Vec<EngineAddress>>>,
@@ -141,6 +144,7 @@ impl TransferEngine {
             refused_immediates: info.refused_immediates.clone(),
             regions: RwLock::new(rustc_hash::FxHashMap::default()),
             next_region: AtomicU64::new(crate::commands::SCRATCH_REGION + 1),
+            released_regions: AtomicU64::new(0),
             next_domain: AtomicUsize::new(0),
             peer_groups: RwLock::new(HashMap::new()),
             next_group: AtomicU64::new(1),

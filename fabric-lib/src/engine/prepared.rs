@@ -6,6 +6,7 @@
 //! target list: no route, peer check or endpoint copy per destination. Destinations that do not
 //! all go over the provider (same-host or staged GPU memory) are kept as descriptors, and each
 //! call takes the general [`TransferEngine::submit_scatter`] path with them.
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::routing::Route;
@@ -22,6 +23,8 @@ pub struct PreparedScatter {
     engine: u64,
     src: MrHandle,
     src_len: u64,
+    /// The engine's count of released registrations when it was prepared.
+    released_regions: u64,
     /// Each destination's length (the slices' range checks).
     dst_lens: Vec<u64>,
     path: PreparedPath,
@@ -57,6 +60,7 @@ impl TransferEngine {
         if dsts.is_empty() {
             return Err(FabricError::InvalidArgument("a prepared scatter needs at least one destination".into()));
         }
+        let released_regions = self.released_regions.load(Ordering::Acquire);
         let src_info = self.region_info(src)?;
         let mut targets = Vec::with_capacity(dsts.len());
         for dst in dsts {
@@ -78,6 +82,7 @@ impl TransferEngine {
             engine: self.id,
             src,
             src_len: src_info.len,
+            released_regions,
             dst_lens: dsts.iter().map(|d| d.len).collect(),
             path,
         })
@@ -162,11 +167,13 @@ impl TransferEngine {
                 return self.submit_scatter(None, prepared.src, &targets, imm, sharding, on_done.into_callback());
             }
         };
-        // The source must still be registered (the worker checks it again when posting).
-        self.region_info(prepared.src)?;
-        let imm_per_peer: crate::sharding::ImmsPerPeer = named.iter().map(|&n| if n { imm } else { None }).collect();
+        // The source must still be registered (the worker checks it again when posting): certain
+        // while no registration was released since the scatter was prepared.
+        if self.released_regions.load(Ordering::Acquire) != prepared.released_regions {
+            self.region_info(prepared.src)?;
+        }
         let parts = slices.iter().map(|s| (s.dst, s.src_offset, s.len, s.dst_offset));
-        let (shards, deferred) = self.plan_scatter_shards(parts, &imm_per_peer, sharding);
+        let (shards, deferred) = self.plan_scatter_shards(parts, imm, sharding);
         self.submit_transfer(Transfer {
             region: prepared.src.0,
             targets: TargetList::Shared(targets.clone()),

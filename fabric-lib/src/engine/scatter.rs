@@ -15,7 +15,7 @@ use crate::error::{FabricError, Result};
 use crate::joined::Joined;
 use crate::provider::same_host::SameHostCopy;
 use crate::requests::{PeerGroup, ScatterSharding, ScatterTarget};
-use crate::sharding::{plan_imms, split_bytes, ImmsPerPeer, Shard};
+use crate::sharding::{split_bytes, DeferredImm, Shard, SHARD_ALIGN};
 
 impl TransferEngine {
     /// Writes a different slice of one local region to each target; each target's receiver
@@ -131,38 +131,47 @@ impl TransferEngine {
         on_done: Notify,
     ) -> Transfer {
         let slices = targets.iter().enumerate().map(|(p, (t, _))| (p, t.src_offset, t.len, t.dst_offset));
-        let (shards, deferred) =
-            self.plan_scatter_shards(slices, &ImmsPerPeer::from_elem(imm, targets.len()), sharding);
+        let (shards, deferred) = self.plan_scatter_shards(slices, imm, sharding);
         let resolved: Targets = targets.into_iter().map(|(_, target)| target).collect();
         Transfer { region: src.0, targets: resolved.into(), shards, deferred, on_done }
     }
 
-    /// The shards of `(peer, src_offset, len, dst_offset)` slices and the immediates deferred
-    /// after them (`imm_per_peer`: what each peer's receiver counts once, if anything).
+    /// The shards of `(peer, src_offset, len, dst_offset)` slices, at most one per peer, and the
+    /// immediates deferred after them: each named peer's receiver counts `imm` once, on the data
+    /// of a slice that stays whole, after the last shard of one cut over several domains.
     pub(super) fn plan_scatter_shards(
         &self,
         slices: impl ExactSizeIterator<Item = (usize, u64, u64, u64)>,
-        imm_per_peer: &[Option<u32>],
+        imm: Option<u32>,
         sharding: ScatterSharding,
-    ) -> (Shards, Vec<crate::sharding::DeferredImm>) {
+    ) -> (Shards, Vec<DeferredImm>) {
         let n = self.num_domains();
-        let start = self.rotate(slices.len());
+        // Whole slices rotate over the domains; only large ones are cut (as a single write is).
+        let min_cut = self.config().shard_min_bytes.max(2 * SHARD_ALIGN);
+        let cut = n > 1 && sharding == ScatterSharding::ByBytes;
+        let mut domain = self.rotate(slices.len()) % n;
         let mut shards = Shards::with_capacity(slices.len());
-        for (i, (peer, src_offset, len, dst_offset)) in slices.enumerate() {
-            let pieces = match sharding {
-                ScatterSharding::ByPeer => smallvec::smallvec![((start + i) % n, 0, len)],
-                ScatterSharding::ByBytes => split_bytes(len, n, n, start + i, self.config().shard_min_bytes),
-            };
-            shards.extend(pieces.into_iter().map(|(domain, off, len)| Shard {
-                peer: peer as u32,
-                domain: domain as u16,
-                src_offset: src_offset + off,
-                len,
-                dst_offset: dst_offset + off,
-                imm: None,
-            }));
+        let mut deferred = Vec::new();
+        for (peer, src_offset, len, dst_offset) in slices {
+            let peer = peer as u32;
+            if cut && len >= min_cut {
+                let pieces = split_bytes(len, n, n, domain, min_cut);
+                if let Some(imm) = imm {
+                    deferred.push(DeferredImm { peer, domain: pieces[0].0 as u16, imm });
+                }
+                shards.extend(pieces.into_iter().map(|(d, off, len)| Shard {
+                    peer,
+                    domain: d as u16,
+                    src_offset: src_offset + off,
+                    len,
+                    dst_offset: dst_offset + off,
+                    imm: None,
+                }));
+            } else {
+                shards.push(Shard { peer, domain: domain as u16, src_offset, len, dst_offset, imm });
+            }
+            domain = if domain + 1 == n { 0 } else { domain + 1 };
         }
-        let deferred = plan_imms(&mut shards, imm_per_peer);
         (shards, deferred)
     }
 }
