@@ -260,6 +260,14 @@ struct State {
     writes: Arc<CompletionCounter>,
     remote: Vec<usize>,
     scatters: Scatters,
+    /// Per parity, the count message's `(rank, src_offset, len, dst_offset)` targets: the same
+    /// every call.
+    count_targets: [Vec<(usize, usize, usize, usize)>; 2],
+    /// The count message being sent.
+    msg: Vec<u8>,
+    /// A call's targets, and their slices for the engine (kept: nothing allocated per call).
+    targets: Vec<(usize, usize, usize, usize)>,
+    slices: std::cell::RefCell<Vec<ScatterSlice>>,
     /// Whether this pass of the loop looks for arrivals (see `run`).
     poll_arrivals: bool,
     /// The engine's arrivals generation when arrivals were last looked for.
@@ -346,6 +354,12 @@ impl State {
         let remote: Vec<usize> = (0..w).filter(|&r| cfg.topo.is_remote(cfg.rank, r)).collect();
         let scatters = Scatters::new(&engine, cfg.rank, &local, &peers, &remote)?;
         let e = cfg.layout.num_experts;
+        let me = cfg.rank;
+        let count_targets = [0, 1].map(|p| {
+            let (src, len, dst) = (block.msg_out_at(p), block.msg_bytes, block.msg_in_at(p, me));
+            (0..w).filter(|&r| r != me).map(|r| (r, src, len, dst)).collect()
+        });
+        let msg = vec![0u8; block.msg_bytes];
         Ok(State {
             engine,
             block,
@@ -361,6 +375,10 @@ impl State {
             writes: CompletionCounter::new(),
             remote,
             scatters,
+            count_targets,
+            msg,
+            targets: Vec::with_capacity(w),
+            slices: std::cell::RefCell::new(Vec::with_capacity(w)),
             poll_arrivals: true,
             polled_generation: u64::MAX,
             cfg,
@@ -482,15 +500,14 @@ impl State {
             self.fail(format!("no prepared scatter for {set:?}"));
             return None;
         };
-        let slices: Vec<ScatterSlice> = targets
-            .iter()
-            .map(|&(rank, src_offset, len, dst_offset)| ScatterSlice {
-                dst: index[rank],
-                src_offset: src_offset as u64,
-                len: len as u64,
-                dst_offset: dst_offset as u64,
-            })
-            .collect();
+        let mut slices = self.slices.borrow_mut();
+        slices.clear();
+        slices.extend(targets.iter().map(|&(rank, src_offset, len, dst_offset)| ScatterSlice {
+            dst: index[rank],
+            src_offset: src_offset as u64,
+            len: len as u64,
+            dst_offset: dst_offset as u64,
+        }));
         let sharding = ScatterSharding::ByBytes;
         if let Err(e) =
             self.engine.submit_prepared_scatter_counted(prepared, &slices, Some(imm), sharding, &self.writes)
@@ -549,18 +566,20 @@ impl State {
                 return false;
             }
             let seen = Instant::now();
-            let tok: Vec<u32> =
-                (0..w).map(|d| self.u32_at(self.block.pub_tok_at(p, d)).load(Ordering::Relaxed)).collect();
-            let hist: Vec<u32> = (0..self.cfg.layout.num_experts)
-                .map(|e| self.u32_at(self.block.pub_hist_at(p, e)).load(Ordering::Relaxed))
-                .collect();
-            let mut msg = vec![0u8; self.block.msg_bytes];
-            encode_counts(n, &tok, &hist, &mut msg);
-            self.put_bytes(self.block.msg_out_at(p), &msg);
+            // Into the vectors of the call two back (this parity's), nothing allocated.
+            let mut tok = std::mem::take(&mut self.counts[p].tok[me]);
+            let mut hist = std::mem::take(&mut self.counts[p].hist[me]);
+            tok.clear();
+            tok.extend((0..w).map(|d| self.u32_at(self.block.pub_tok_at(p, d)).load(Ordering::Relaxed)));
+            hist.clear();
+            hist.extend(
+                (0..self.cfg.layout.num_experts)
+                    .map(|e| self.u32_at(self.block.pub_hist_at(p, e)).load(Ordering::Relaxed)),
+            );
+            encode_counts(n, &tok, &hist, &mut self.msg);
+            self.put_bytes(self.block.msg_out_at(p), &self.msg);
             // One scatter: the same message to every other rank.
-            let (src, len, dst) = (self.block.msg_out_at(p), self.block.msg_bytes, self.block.msg_in_at(p, me));
-            let targets: Vec<_> = (0..w).filter(|&r| r != me).map(|r| (r, src, len, dst)).collect();
-            let first = self.post(Set::Counts, &targets, imm(ImmKind::Counts, n as u32, me));
+            let first = self.post(Set::Counts, &self.count_targets[p], imm(ImmKind::Counts, n as u32, me));
             self.store_counts(p, me, tok, hist);
             self.counts_seq[p] = 0;
             let d = &mut self.dispatch;
@@ -579,18 +598,21 @@ impl State {
             let signal = Instant::now();
             let lay = self.cfg.layout;
             let tag = imm(ImmKind::DispatchData, n as u32, me);
-            let targets: Vec<_> = self
-                .remote
-                .iter()
-                .map(|&d| (d, (self.counts[p].tok[me][d] as usize).min(q)))
-                .filter(|&(_, records)| records > 0)
-                .map(|(d, records)| {
-                    let dst = lay.private_offset(p, me, 0);
-                    (d, lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, dst)
-                })
-                .collect();
+            let mut targets = std::mem::take(&mut self.targets);
+            targets.clear();
+            targets.extend(
+                self.remote
+                    .iter()
+                    .map(|&d| (d, (self.counts[p].tok[me][d] as usize).min(q)))
+                    .filter(|&(_, records)| records > 0)
+                    .map(|(d, records)| {
+                        let dst = lay.private_offset(p, me, 0);
+                        (d, lay.dsend_offset(p, d, 0), records * lay.rrec_bytes, dst)
+                    }),
+            );
             let first = self.post(Set::Dispatch, &targets, tag);
             self.dispatch.sample.data_writes += targets.len() as u32;
+            self.targets = targets;
             let sample = &mut self.dispatch.sample;
             sample.signal_to_first_write_ns = first.map_or(0, |t| (t - signal).as_nanos() as u64);
             sample.data_first_write_at = first;
@@ -715,19 +737,18 @@ impl State {
             // the remote sources before `s` (a running sum over `remote`, ascending), there after
             // the rows `s` sends the remote ranks below this one (kept when its counts came).
             let mut at_expert = 0;
-            let targets: Vec<_> = self
-                .remote
-                .iter()
-                .map(|&s| {
-                    let n_rows = to_me[s] as usize;
-                    let at_source = before_me[s] as usize;
-                    let target =
-                        (s, lay.csend_offset(cp, at_expert), n_rows * lay.row_bytes, lay.crecv_offset(cp, at_source));
-                    at_expert += n_rows;
-                    target
-                })
-                .collect();
+            let mut targets = std::mem::take(&mut self.targets);
+            targets.clear();
+            targets.extend(self.remote.iter().map(|&s| {
+                let n_rows = to_me[s] as usize;
+                let at_source = before_me[s] as usize;
+                let target =
+                    (s, lay.csend_offset(cp, at_expert), n_rows * lay.row_bytes, lay.crecv_offset(cp, at_source));
+                at_expert += n_rows;
+                target
+            }));
             let first = self.post(Set::Combine, &targets, tag);
+            self.targets = targets;
             let peers = self.remote.len() as u32;
             push(
                 &self.shared.combine,
