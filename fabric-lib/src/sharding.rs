@@ -44,16 +44,18 @@ pub enum DomainChoice {
 /// allocation for the usual request or scatter target).
 pub type Pieces = smallvec::SmallVec<[(usize, u64, u64); 4]>;
 
-/// What each target peer of a request counts (see [`plan_imms`]); inline up to 64 peers (the
-/// all-to-all's largest world), so planning a scatter allocates nothing for it.
-pub type ImmsPerPeer = smallvec::SmallVec<[Option<u32>; 64]>;
+/// Whether a write of `len` bytes stays whole on one domain (shorter than `min_shard_len`, or too
+/// short for two aligned shards).
+pub fn stays_whole(len: u64, min_shard_len: u64) -> bool {
+    len < min_shard_len.max(2 * SHARD_ALIGN)
+}
 
 /// Splits `len` bytes over `k` domains starting at `start`: (domain, offset, len) pieces, each a
 /// multiple of [`SHARD_ALIGN`] except the last. Writes under `min_shard_len` stay whole.
 pub fn split_bytes(len: u64, n_domains: usize, k: usize, start: usize, min_shard_len: u64) -> Pieces {
     let n = n_domains.max(1);
     let k = k.clamp(1, n) as u64;
-    if k == 1 || len < min_shard_len.max(2 * SHARD_ALIGN) {
+    if k == 1 || stays_whole(len, min_shard_len) {
         return smallvec::smallvec![(start % n, 0, len)];
     }
     let per = len.div_ceil(k).div_ceil(SHARD_ALIGN) * SHARD_ALIGN;

@@ -3,12 +3,11 @@ use std::sync::atomic::Ordering;
 
 use super::TransferEngine;
 use crate::address::EngineAddress;
-use crate::commands::{Command, SameHostTransfer, Shards, Targets, Transfer, SCRATCH_REGION};
+use crate::commands::{Command, SameHostTransfer, Targets, Transfer, SCRATCH_REGION};
 use crate::completion::{Notify, OnDone};
 use crate::descriptor::MrDescriptor;
 use crate::error::{FabricError, Result};
-use crate::requests::PeerGroup;
-use crate::sharding::{plan_imms, ImmsPerPeer, Shard};
+use crate::requests::{PeerGroup, ScatterSharding};
 
 impl TransferEngine {
     /// Sends only an immediate (a zero-byte write into `dst`'s region; for a GPU region without
@@ -48,20 +47,9 @@ impl TransferEngine {
     }
 
     pub(super) fn plan_imm_to_targets(&self, imm: u32, targets: Targets, on_done: Notify) -> Command {
-        let n = self.num_domains();
-        let start = self.rotate(targets.len());
-        let mut shards: Shards = (0..targets.len())
-            .map(|p| Shard {
-                peer: p as u32,
-                domain: ((start + p) % n) as u16,
-                src_offset: 0,
-                len: 0,
-                dst_offset: 0,
-                imm: None,
-            })
-            .collect();
-        let imms: ImmsPerPeer = smallvec::smallvec![Some(imm); targets.len()];
-        let deferred = plan_imms(&mut shards, &imms);
+        // A zero-byte slice per target: one write each, carrying the immediate, domains rotating.
+        let slices = (0..targets.len()).map(|p| (p, 0, 0, 0));
+        let (shards, deferred) = self.plan_scatter_shards(slices, Some(imm), ScatterSharding::ByPeer);
         Command::Transfer(Transfer { region: SCRATCH_REGION, targets: targets.into(), shards, deferred, on_done })
     }
 

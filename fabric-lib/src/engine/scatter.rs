@@ -15,7 +15,7 @@ use crate::error::{FabricError, Result};
 use crate::joined::Joined;
 use crate::provider::same_host::SameHostCopy;
 use crate::requests::{PeerGroup, ScatterSharding, ScatterTarget};
-use crate::sharding::{split_bytes, DeferredImm, Shard, SHARD_ALIGN};
+use crate::sharding::{split_bytes, stays_whole, DeferredImm, Shard};
 
 impl TransferEngine {
     /// Writes a different slice of one local region to each target; each target's receiver
@@ -147,15 +147,15 @@ impl TransferEngine {
     ) -> (Shards, Vec<DeferredImm>) {
         let n = self.num_domains();
         // Whole slices rotate over the domains; only large ones are cut (as a single write is).
-        let min_cut = self.config().shard_min_bytes.max(2 * SHARD_ALIGN);
+        let min_shard = self.config().shard_min_bytes;
         let cut = n > 1 && sharding == ScatterSharding::ByBytes;
         let mut domain = self.rotate(slices.len()) % n;
         let mut shards = Shards::with_capacity(slices.len());
         let mut deferred = Vec::new();
         for (peer, src_offset, len, dst_offset) in slices {
             let peer = peer as u32;
-            if cut && len >= min_cut {
-                let pieces = split_bytes(len, n, n, domain, min_cut);
+            if cut && !stays_whole(len, min_shard) {
+                let pieces = split_bytes(len, n, n, domain, min_shard);
                 if let Some(imm) = imm {
                     deferred.push(DeferredImm { peer, domain: pieces[0].0 as u16, imm });
                 }
