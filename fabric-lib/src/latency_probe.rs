@@ -10,6 +10,8 @@
 //! application (Rust or Python) can stamp its own call and compare.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use parking_lot::Mutex;
+
 /// A stage the probe records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
@@ -68,11 +70,24 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// The latest time of each stage (0: not seen since the probe was enabled).
+/// One command as the worker handled it: when it took the command from its queue (or fired
+/// it, if armed) and when the command's first post returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PostRecord {
+    pub dequeued_ns: u64,
+    pub posted_ns: u64,
+}
+
+/// The latest time of each stage (0: not seen since the probe was enabled), and optionally a
+/// log of every command's first post (for callers that post many requests and need each one's
+/// time, e.g. a proxy timing signal → first write posted).
 #[derive(Default)]
 pub struct LatencyProbe {
     enabled: AtomicBool,
     marks: [AtomicU64; Stage::ALL.len()],
+    /// Records kept while `log_room` > 0 (it counts down).
+    log: Mutex<Vec<PostRecord>>,
+    log_room: AtomicU64,
 }
 
 impl LatencyProbe {
@@ -107,9 +122,28 @@ impl LatencyProbe {
             let dequeued = self.marks[Stage::Dequeued as usize].load(Ordering::Acquire);
             let posted = &self.marks[Stage::Posted as usize];
             if posted.load(Ordering::Relaxed) < dequeued {
-                posted.store(monotonic_ns(), Ordering::Release);
+                let now = monotonic_ns();
+                posted.store(now, Ordering::Release);
+                if self.log_room.load(Ordering::Relaxed) > 0 {
+                    self.log_room.fetch_sub(1, Ordering::Relaxed);
+                    self.log.lock().push(PostRecord { dequeued_ns: dequeued, posted_ns: now });
+                }
             }
         }
+    }
+
+    /// Turns the probe on and starts a log of the next `capacity` commands' first posts (in the
+    /// order the worker took them), replacing any earlier log. Each record costs the worker a
+    /// short uncontended lock.
+    pub fn enable_post_log(&self, capacity: usize) {
+        self.log.lock().clear();
+        self.log_room.store(capacity as u64, Ordering::Relaxed);
+        self.enable(true);
+    }
+
+    /// The post log so far (and clears it; logging goes on while room is left).
+    pub fn take_post_log(&self) -> Vec<PostRecord> {
+        std::mem::take(&mut *self.log.lock())
     }
 
     /// The latest time of `stage`, if it was recorded since the probe was enabled.
@@ -148,5 +182,21 @@ mod tests {
         assert_eq!(p.get(Stage::ImmSeen), None);
         p.enable(true);
         assert_eq!(p.get(Stage::Posted), None);
+    }
+
+    #[test]
+    fn the_post_log_keeps_each_commands_first_post_up_to_its_capacity() {
+        let p = LatencyProbe::default();
+        p.enable_post_log(2);
+        for _ in 0..3 {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            p.mark(Stage::Dequeued);
+            p.mark_first_post();
+            p.mark_first_post(); // a later post of the same command: not logged
+        }
+        let log = p.take_post_log();
+        assert_eq!(log.len(), 2, "{log:?}");
+        assert!(log[0].dequeued_ns <= log[0].posted_ns && log[0].posted_ns < log[1].dequeued_ns, "{log:?}");
+        assert!(p.take_post_log().is_empty());
     }
 }

@@ -46,7 +46,7 @@ pub use epoch::Readmission;
 pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};
 pub use imm_counter::{GenericImmCallback, ImmCounterTable, OnReached};
-pub use latency_probe::{monotonic_ns, LatencyProbe, Stage};
+pub use latency_probe::{monotonic_ns, LatencyProbe, PostRecord, Stage};
 pub use provider::libfabric::{list_providers, DomainSpec, NicRegistration, ProviderSpec};
 pub use requests::{
     PagedReadRequest, PagedWriteRequest, PeerGroup, ReadRequest, ScatterSharding, ScatterSlice, ScatterTarget,

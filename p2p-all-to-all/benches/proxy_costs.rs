@@ -5,6 +5,9 @@
 //!
 //! - kernel signal → first write handed to the engine, for the count messages (`dseq`), the
 //!   dispatch data (`ddone`) and the combine (`cdone`): the proxy noticing the word included;
+//! - with `--posted`, kernel signal → first write posted: until the engine's worker returned
+//!   from the provider's post of that request's first write (each engine logs its commands'
+//!   first posts, `LatencyProbe::enable_post_log`; the probe's clock reads are then included);
 //! - time spent posting per remote rank (the private dispatch writes, the combine writes);
 //! - writes per remote rank per call (dispatch data, combine) and count messages per call;
 //! - a dispatch from counts seen to every remote source's flag raised.
@@ -13,7 +16,15 @@
 //! rank is remote.
 //!
 //!     cargo bench -p p2p-all-to-all --bench proxy_costs -- [--provider tcp] [--worlds 2,4,8]
-//!         [--calls 300] [--proxy-cpus 2,3,4,5] [--poll adaptive|busy] [--json-out proxy_costs.json]
+//!         [--calls 300] [--proxy-cpus 2,3,4,5] [--poll adaptive|busy] [--posted]
+//!         [--eager 0,1] [--measured-cpus 2,3,4] [--json-out proxy_costs.json]
+//!
+//! `--eager` runs each world once per value of `ProxyConfig::eager_targets` (a scatter to more
+//! targets hands its first ones to the engine as a request of their own). `--measured-cpus K,P,W`
+//! pins rank 0's stand-in kernels, proxy and engine worker to one CPU each (the worker polling
+//! busily) and reports rank 0 alone: with the other ranks kept off those CPUs (start the bench
+//! under `taskset` with the rest), its latencies mean something at world sizes whose threads
+//! outnumber the cores.
 //!
 //! `--poll busy` keeps every engine worker polling (give each a core: a rank then has three
 //! spinning threads); the default lets idle workers sleep, and a call to a sleeping worker pays
@@ -29,6 +40,7 @@ mod host_ranks;
 
 use std::time::{Duration, Instant};
 
+use fabric_lib::PostRecord;
 use host_ranks::{run, Scenario};
 
 struct Args {
@@ -39,6 +51,9 @@ struct Args {
     proxy_cpus: Option<Vec<usize>>,
     /// How the engine workers poll: "adaptive" or "busy".
     poll: &'static str,
+    posted: bool,
+    eager: Vec<usize>,
+    measured_cpus: Option<[usize; 3]>,
     json_out: Option<String>,
 }
 
@@ -54,12 +69,19 @@ fn parse_args() -> Args {
         private_tokens: 8,
         proxy_cpus: None,
         poll: "adaptive",
+        posted: false,
+        eager: vec![p2p_all_to_all::proxy::EAGER_TARGETS],
+        measured_cpus: None,
         json_out: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--bench" {
             continue; // cargo bench passes it to harness-less benches
+        }
+        if flag == "--posted" {
+            args.posted = true;
+            continue;
         }
         let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
@@ -75,9 +97,16 @@ fn parse_args() -> Args {
                     _ => panic!("--poll: busy or adaptive"),
                 }
             }
+            "--eager" => args.eager = list(&value, "--eager"),
+            "--measured-cpus" => {
+                let cpus = list(&value, "--measured-cpus");
+                let [k, p, w] = cpus[..] else { panic!("--measured-cpus: three CPUs (kernels, proxy, worker)") };
+                args.measured_cpus = Some([k, p, w]);
+            }
             "--json-out" => args.json_out = Some(value),
             other => panic!(
-                "unknown flag {other} (--provider, --worlds, --calls, --private-tokens, --proxy-cpus, --poll, --json-out)"
+                "unknown flag {other} (--provider, --worlds, --calls, --private-tokens, --proxy-cpus, --poll, \
+                 --posted, --eager, --measured-cpus, --json-out)"
             ),
         }
     }
@@ -98,85 +127,73 @@ fn since(from: Instant, to: Option<Instant>) -> Option<f64> {
     to.map(|t| t.saturating_duration_since(from).as_nanos() as f64 / 1000.0)
 }
 
+/// `Instant`s as `CLOCK_MONOTONIC` nanoseconds (the engine's post log's clock; `Instant` reads
+/// the same clock on Linux, but does not expose it).
+struct Clock {
+    at: Instant,
+    ns: u64,
+}
+
+impl Clock {
+    fn new() -> Self {
+        let before = fabric_lib::monotonic_ns();
+        let at = Instant::now();
+        let after = fabric_lib::monotonic_ns();
+        Clock { at, ns: before + (after - before) / 2 }
+    }
+
+    fn ns(&self, t: Instant) -> u64 {
+        match t.checked_duration_since(self.at) {
+            Some(d) => self.ns + d.as_nanos() as u64,
+            None => self.ns - (self.at - t).as_nanos() as u64,
+        }
+    }
+
+    /// Signal → the first post of the first command the worker took after `call` started
+    /// (the proxy's request: nothing else posts on its engine), in µs.
+    fn posted(&self, log: &[PostRecord], signal: Instant, call: Option<Instant>) -> Option<f64> {
+        let call = self.ns(call?);
+        let record = log.get(log.partition_point(|r| r.dequeued_ns < call))?;
+        Some(record.posted_ns.saturating_sub(self.ns(signal)) as f64 / 1000.0)
+    }
+}
+
 fn main() {
     let args = parse_args();
     println!(
-        "{}: proxy costs per world size, {} calls, private quota {}, workers poll: {}",
-        args.provider, args.calls, args.private_tokens, args.poll
+        "{}: proxy costs per world size, {} calls, private quota {}, workers poll: {}{}",
+        args.provider,
+        args.calls,
+        args.private_tokens,
+        args.poll,
+        match args.measured_cpus {
+            Some(c) => format!(", rank 0 alone on CPUs {c:?} (kernels, proxy, worker)"),
+            None => String::new(),
+        }
     );
-    println!("{:<48} {:>9} {:>9} {:>8}", "", "p50", "p99", "samples");
+    println!("{:<52} {:>9} {:>9} {:>8}", "", "p50", "p99", "samples");
+    let clock = Clock::new();
     let mut worlds_json = Vec::new();
     for &world in &args.worlds {
-        let provider: &'static str = Box::leak(args.provider.clone().into_boxed_str());
-        let sc = Scenario {
-            provider,
-            world,
-            nvlink: 1,
-            private_tokens: args.private_tokens,
-            calls: args.calls,
-            skew: false,
-            dies: None,
-            fence: false,
-            scatter: true,
-            proxy_cpus: args.proxy_cpus.as_ref().map(|c| (0..world).map(|r| c[r % c.len()]).collect()),
-            // As the all-to-all runs it: the proxy spins through the gaps between calls.
-            proxy_idle_spin: Some(Duration::from_millis(50)),
-            busy_workers: args.poll == "busy",
-        };
-        let Some(results) = run(sc) else {
-            println!("provider {provider} is not available here");
-            return;
-        };
-        let warm = (args.calls / 10) as usize;
-        let mut metrics: Vec<(&str, Vec<f64>)> = [
-            "counts: signal -> first write (µs)",
-            "dispatch data: signal -> first write (µs)",
-            "combine: signal -> first write (µs)",
-            "dispatch: posting per remote rank (µs)",
-            "combine: posting per remote rank (µs)",
-            "dispatch: counts seen -> flags raised (µs)",
-            "dispatch data writes per remote rank",
-            "combine writes per remote rank",
-        ]
-        .into_iter()
-        .map(|name| (name, Vec::new()))
-        .collect();
-        for (rank, result) in results.into_iter().enumerate() {
-            let outcome = result.unwrap_or_else(|e| panic!("world {world}, rank {rank}: {e}"));
-            let calls = outcome.raised.iter().zip(&outcome.dispatch).zip(&outcome.combine).skip(warm);
-            for ((raised, d), c) in calls {
-                let remote = f64::from(d.remote_peers.max(1));
-                let values = [
-                    since(raised.dseq, d.counts_first_write_at),
-                    since(raised.ddone, d.data_first_write_at),
-                    since(raised.cdone, c.first_write_at),
-                    Some(d.post_per_peer_ns as f64 / 1000.0),
-                    Some(c.post_per_peer_ns as f64 / 1000.0),
-                    Some(d.total_ns as f64 / 1000.0),
-                    Some(f64::from(d.data_writes) / remote),
-                    Some(f64::from(c.writes) / f64::from(c.remote_peers.max(1))),
-                ];
-                for ((_, column), v) in metrics.iter_mut().zip(values) {
-                    column.extend(v);
+        for &eager in &args.eager {
+            match measure(&args, world, eager, &clock) {
+                Some(json) => worlds_json.push(json),
+                None => {
+                    println!("provider {} is not available here", args.provider);
+                    return;
                 }
             }
         }
-        println!("world {world} ({} remote ranks each)", world - 1);
-        let mut rows = Vec::new();
-        for (name, values) in metrics {
-            let (p50, p99, n) = summary(values);
-            println!("  {name:<46} {p50:>9.3} {p99:>9.3} {n:>8}");
-            rows.push(format!("{{\"metric\": \"{name}\", \"p50\": {p50:.4}, \"p99\": {p99:.4}, \"samples\": {n}}}"));
-        }
-        worlds_json.push(format!("{{\"world\": {world}, \"metrics\": [{}]}}", rows.join(", ")));
     }
     if let Some(path) = &args.json_out {
         let json = format!(
-            "{{\"provider\": \"{}\", \"poll\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \"worlds\": [{}]}}\n",
+            "{{\"provider\": \"{}\", \"poll\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \
+             \"measured_cpus\": {}, \"worlds\": [{}]}}\n",
             args.provider,
             args.poll,
             args.calls,
             args.private_tokens,
+            args.measured_cpus.map_or("null".to_string(), |c| format!("{c:?}")),
             worlds_json.join(", ")
         );
         // cargo bench runs a bench in its crate's folder: relative paths start there.
@@ -184,4 +201,84 @@ fn main() {
         std::fs::write(path, json).unwrap_or_else(|e| panic!("writing {path} (relative to {here}): {e}"));
         println!("wrote {path}");
     }
+}
+
+/// Runs one world size with one `eager_targets`, prints its metrics and returns them as JSON
+/// (None: the provider is missing).
+fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<String> {
+    let provider: &'static str = Box::leak(args.provider.clone().into_boxed_str());
+    let sc = Scenario {
+        provider,
+        world,
+        nvlink: 1,
+        private_tokens: args.private_tokens,
+        calls: args.calls,
+        skew: false,
+        dies: None,
+        fence: false,
+        scatter: true,
+        proxy_cpus: args.proxy_cpus.as_ref().map(|c| (0..world).map(|r| c[r % c.len()]).collect()),
+        // As the all-to-all runs it: the proxy spins through the gaps between calls.
+        proxy_idle_spin: Some(Duration::from_millis(50)),
+        busy_workers: args.poll == "busy",
+        eager_targets: eager,
+        measured_cpus: args.measured_cpus,
+        post_log: args.posted,
+    };
+    let results = run(sc)?;
+    let warm = (args.calls / 10) as usize;
+    let mut names = vec![
+        "counts: signal -> first write (µs)",
+        "dispatch data: signal -> first write (µs)",
+        "combine: signal -> first write (µs)",
+        "dispatch: posting per remote rank (µs)",
+        "combine: posting per remote rank (µs)",
+        "dispatch: counts seen -> flags raised (µs)",
+        "dispatch data writes per remote rank",
+        "combine writes per remote rank",
+    ];
+    if args.posted {
+        names.extend([
+            "counts: signal -> first write posted (µs)",
+            "dispatch data: signal -> first write posted (µs)",
+            "combine: signal -> first write posted (µs)",
+        ]);
+    }
+    let mut metrics: Vec<(&str, Vec<f64>)> = names.into_iter().map(|name| (name, Vec::new())).collect();
+    for (rank, result) in results.into_iter().enumerate() {
+        let outcome = result.unwrap_or_else(|e| panic!("world {world}, rank {rank}: {e}"));
+        if args.measured_cpus.is_some() && rank != 0 {
+            continue;
+        }
+        let log = &outcome.post_log;
+        let calls = outcome.raised.iter().zip(&outcome.dispatch).zip(&outcome.combine).skip(warm);
+        for ((raised, d), c) in calls {
+            let remote = f64::from(d.remote_peers.max(1));
+            let values = [
+                since(raised.dseq, d.counts_first_write_at),
+                since(raised.ddone, d.data_first_write_at),
+                since(raised.cdone, c.first_write_at),
+                Some(d.post_per_peer_ns as f64 / 1000.0),
+                Some(c.post_per_peer_ns as f64 / 1000.0),
+                Some(d.total_ns as f64 / 1000.0),
+                Some(f64::from(d.data_writes) / remote),
+                Some(f64::from(c.writes) / f64::from(c.remote_peers.max(1))),
+                clock.posted(log, raised.dseq, d.counts_call_at),
+                clock.posted(log, raised.ddone, d.data_call_at),
+                clock.posted(log, raised.cdone, c.call_at),
+            ];
+            for ((_, column), v) in metrics.iter_mut().zip(values) {
+                column.extend(v);
+            }
+        }
+    }
+    let whose = if args.measured_cpus.is_some() { "rank 0" } else { "all ranks" };
+    println!("world {world} ({} remote ranks each), eager targets {eager}, {whose}", world - 1);
+    let mut rows = Vec::new();
+    for (name, values) in metrics {
+        let (p50, p99, n) = summary(values);
+        println!("  {name:<50} {p50:>9.3} {p99:>9.3} {n:>8}");
+        rows.push(format!("{{\"metric\": \"{name}\", \"p50\": {p50:.4}, \"p99\": {p99:.4}, \"samples\": {n}}}"));
+    }
+    Some(format!("{{\"world\": {world}, \"eager_targets\": {eager}, \"metrics\": [{}]}}", rows.join(", ")))
 }

@@ -219,6 +219,7 @@ impl RemotePath {
             idle_spin: Duration::from_millis(50),
             scatter_data: true,
             placement_fence: self.placement_fence.clone(),
+            eager_targets: crate::proxy::EAGER_TARGETS,
         };
         self.proxy = Some(Proxy::start(self.engine.clone(), cfg, local, peers)?);
         Ok(())

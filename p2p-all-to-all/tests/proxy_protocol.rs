@@ -120,3 +120,38 @@ fn a_dead_peer_ends_in_a_timeout_not_a_hang() {
     // Bounded: the waits' timeout plus shutdown, never a hang.
     assert!(start.elapsed() < WAIT, "{:?}", start.elapsed());
 }
+
+#[test]
+fn eager_first_targets_exactly_once_and_logged() {
+    // A scatter to more than one target hands its first target to the engine alone, then the
+    // rest: byte-exact and exactly once over a provider that reorders. Each engine logs its
+    // commands' first posts: the split adds at least the count message's and the combine's
+    // second request per call (the routing is the same in both runs).
+    let calls = 6;
+    let scenario = |eager_targets| Scenario {
+        provider: "udp;ofi_rxd",
+        world: 4,
+        nvlink: 1,
+        private_tokens: 3,
+        calls,
+        scatter: true,
+        eager_targets,
+        post_log: true,
+        ..Default::default()
+    };
+    let Some(whole) = run(scenario(0)) else { return };
+    let split = run(scenario(1)).expect("the provider was there a moment ago");
+    for (r, (whole, split)) in whole.iter().zip(&split).enumerate() {
+        let (whole, split) = (whole.as_ref().expect("rank finished"), split.as_ref().expect("rank finished"));
+        assert_eq!((whole.calls, split.calls), (calls, calls), "rank {r}");
+        let log = &split.post_log;
+        assert!(
+            log.len() as u64 >= whole.post_log.len() as u64 + 2 * calls,
+            "rank {r}: {} / {}",
+            log.len(),
+            whole.post_log.len()
+        );
+        assert!(log.windows(2).all(|w| w[0].dequeued_ns <= w[1].dequeued_ns), "rank {r}: in the worker's order");
+        assert!(log.iter().all(|p| p.dequeued_ns <= p.posted_ns), "rank {r}");
+    }
+}

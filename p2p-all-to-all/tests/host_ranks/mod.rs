@@ -98,10 +98,11 @@ fn check(buf: &[u8], call: u64, src: usize, dst: usize, index: usize, what: &str
 }
 
 /// A rank's engine; `busy`: its worker polls without ever sleeping (a core of its own).
-pub fn engine(provider: &str, busy: bool) -> Option<TransferEngine> {
+pub fn engine(provider: &str, busy: bool, worker_cpu: Option<usize>) -> Option<TransferEngine> {
     let config = EngineConfig {
         provider: ProviderSpec::new(Some(provider), &[]),
         poll_mode: if busy { PollMode::Busy } else { PollMode::ADAPTIVE },
+        worker_cpu,
         transfer_timeout: Duration::from_secs(5),
         ..Default::default()
     };
@@ -148,6 +149,14 @@ pub struct Scenario {
     /// Engine workers poll busily (else adaptively: they sleep after 200 µs idle, and a
     /// request to a sleeping worker wakes it first).
     pub busy_workers: bool,
+    /// `ProxyConfig::eager_targets`.
+    pub eager_targets: usize,
+    /// Rank 0's stand-in kernels, proxy and engine worker each pinned to their own CPU (these
+    /// three, in that order), ahead of `proxy_cpus`: a rank measured on cores nobody else uses.
+    /// Its worker polls busily.
+    pub measured_cpus: Option<[usize; 3]>,
+    /// Log every command's first post in each rank's engine (`LatencyProbe::enable_post_log`).
+    pub post_log: bool,
 }
 
 /// When this rank's stand-in kernels raised the proxy block's words, per call.
@@ -168,6 +177,8 @@ pub struct RankOutcome {
     pub dispatch: Vec<DispatchSample>,
     pub combine: Vec<CombineSample>,
     pub raised: Vec<Raised>,
+    /// The engine's post log (with `Scenario::post_log`).
+    pub post_log: Vec<fabric_lib::PostRecord>,
 }
 
 impl Scenario {
@@ -184,7 +195,7 @@ impl Scenario {
 /// Every rank's outcome: Ok(calls done and what was measured) or the error that ended it.
 pub fn run(sc: Scenario) -> Option<Vec<Result<RankOutcome, String>>> {
     // Skip where this libfabric lacks the provider.
-    drop(engine(sc.provider, sc.busy_workers)?);
+    drop(engine(sc.provider, sc.busy_workers, None)?);
     let topo = Topology::new(sc.world, sc.nvlink).unwrap();
     let lay = RemoteLayout::new(sc.world, sc.world * EXPERTS_PER_RANK, TOPK, MAX_TOKENS, sc.private_tokens, 64, 32);
     let regions: Arc<Mutex<Vec<Option<PeerRegions>>>> = Arc::new(Mutex::new(vec![None; sc.world]));
@@ -213,7 +224,18 @@ fn rank(
     let mut drecv = HostBuf::new(lay.drecv_bytes());
     let mut csend = HostBuf::new(lay.csend_bytes());
     let mut crecv = HostBuf::new(lay.crecv_bytes());
-    let engine = Arc::new(engine(sc.provider, sc.busy_workers).unwrap());
+    let measured = sc.measured_cpus.filter(|_| me == 0);
+    if let Some([kernels, _, _]) = measured {
+        assert!(core_affinity::set_for_current(core_affinity::CoreId { id: kernels }), "pinning to CPU {kernels}");
+    }
+    // The measured rank's worker has a core of its own: it polls busily, as a deployment's would.
+    let busy = sc.busy_workers || measured.is_some();
+    let engine = Arc::new(engine(sc.provider, busy, measured.map(|c| c[2])).unwrap());
+    if sc.post_log {
+        // Room for every command of every call: a count message, two data requests, overflow
+        // writes and two combine requests per remote rank at most.
+        engine.latency_probe().enable_post_log(sc.calls as usize * (4 + 2 * sc.world));
+    }
     let reg = |b: &mut HostBuf| {
         // SAFETY: every buffer outlives the engine (the proxy, which holds it, is dropped first).
         unsafe { engine.register_memory(b.ptr(), b.len(), MemoryKind::Host) }.unwrap()
@@ -240,10 +262,11 @@ fn rank(
         rank: me,
         topo,
         layout: lay,
-        cpu: sc.proxy_cpus.as_ref().map(|c| c[me]),
+        cpu: measured.map(|c| c[1]).or_else(|| sc.proxy_cpus.as_ref().map(|c| c[me])),
         idle_spin: sc.proxy_idle_spin.unwrap_or(Duration::from_millis(1)),
         scatter_data: sc.scatter,
         placement_fence,
+        eager_targets: sc.eager_targets,
     };
     let local = LocalRegions { block_ptr: block.ptr(), block: block_h, dsend: dsend_h, csend: csend_h };
     let mut proxy = Some(Proxy::start(engine.clone(), cfg, local, peers).unwrap());
@@ -260,6 +283,7 @@ fn rank(
                     dispatch: vec![],
                     combine: vec![],
                     raised: std::mem::take(&mut raised),
+                    post_log: vec![],
                 });
             }
             let p = (n & 1) as usize;
@@ -344,7 +368,14 @@ fn rank(
             // At least once per combine from every remote rank, and per source with records.
             assert!(fences.load(Ordering::Relaxed) >= sc.calls * remote.len() as u64);
         }
-        Ok(RankOutcome { calls: sc.calls, dispatch: samples, combine: combines, raised: std::mem::take(&mut raised) })
+        let post_log = e.latency_probe().take_post_log();
+        Ok(RankOutcome {
+            calls: sc.calls,
+            dispatch: samples,
+            combine: combines,
+            raised: std::mem::take(&mut raised),
+            post_log,
+        })
     })();
     drop(proxy); // stop the proxy (and the engine) before the buffers go
     result
