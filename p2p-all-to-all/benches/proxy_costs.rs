@@ -7,7 +7,9 @@
 //!   dispatch data (`ddone`) and the combine (`cdone`): the proxy noticing the word included;
 //! - with `--posted`, kernel signal → first write posted: until the engine's worker returned
 //!   from the provider's post of that request's first write (each engine logs its commands'
-//!   first posts, `LatencyProbe::enable_post_log`; the probe's clock reads are then included);
+//!   first posts, `LatencyProbe::enable_post_log`; the probe's clock reads are then included),
+//!   and for the combine where that time goes: the proxy's call → the worker took the request,
+//!   the worker took it → the first write's post returned;
 //! - time spent posting per remote rank (the private dispatch writes, the combine writes);
 //! - writes per remote rank per call (dispatch data, combine) and count messages per call;
 //! - a dispatch from counts seen to every remote source's flag raised.
@@ -149,12 +151,25 @@ impl Clock {
         }
     }
 
-    /// Signal → the first post of the first command the worker took after `call` started
-    /// (the proxy's request: nothing else posts on its engine), in µs.
-    fn posted(&self, log: &[PostRecord], signal: Instant, call: Option<Instant>) -> Option<f64> {
+    /// The record of the first command the worker took after `call` started (the proxy's
+    /// request: nothing else posts on its engine).
+    fn record<'a>(&self, log: &'a [PostRecord], call: Option<Instant>) -> Option<&'a PostRecord> {
         let call = self.ns(call?);
-        let record = log.get(log.partition_point(|r| r.dequeued_ns < call))?;
+        log.get(log.partition_point(|r| r.dequeued_ns < call))
+    }
+
+    /// Signal → that request's first post, in µs.
+    fn posted(&self, log: &[PostRecord], signal: Instant, call: Option<Instant>) -> Option<f64> {
+        let record = self.record(log, call)?;
         Some(record.posted_ns.saturating_sub(self.ns(signal)) as f64 / 1000.0)
+    }
+
+    /// The request's way through the engine, in µs: the call's start → the worker took it,
+    /// and the worker took it → its first post returned.
+    fn through_engine(&self, log: &[PostRecord], call: Option<Instant>) -> [Option<f64>; 2] {
+        let Some(record) = self.record(log, call) else { return [None, None] };
+        let taken = record.dequeued_ns.saturating_sub(self.ns(call.expect("a record has a call")));
+        [Some(taken as f64 / 1000.0), Some(record.posted_ns.saturating_sub(record.dequeued_ns) as f64 / 1000.0)]
     }
 }
 
@@ -242,6 +257,8 @@ fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<Str
             "counts: signal -> first write posted (µs)",
             "dispatch data: signal -> first write posted (µs)",
             "combine: signal -> first write posted (µs)",
+            "combine: call -> worker took it (µs)",
+            "combine: worker took it -> first write posted (µs)",
         ]);
     }
     let mut metrics: Vec<(&str, Vec<f64>)> = names.into_iter().map(|name| (name, Vec::new())).collect();
@@ -267,6 +284,8 @@ fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<Str
                 clock.posted(log, raised.ddone, d.data_call_at),
                 clock.posted(log, raised.cdone, c.call_at),
             ];
+            let [taken, posted] = clock.through_engine(log, c.call_at);
+            let values = values.into_iter().chain([taken, posted]);
             for ((_, column), v) in metrics.iter_mut().zip(values) {
                 column.extend(v);
             }
