@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use fabric_lib::PostRecord;
 use host_ranks::{run, Scenario};
+use p2p_all_to_all::proxy::FirstWrite;
 
 struct Args {
     provider: String,
@@ -151,25 +152,16 @@ impl Clock {
         }
     }
 
-    /// The record of the first command the worker took after `call` started (the proxy's
-    /// request: nothing else posts on its engine).
-    fn record<'a>(&self, log: &'a [PostRecord], call: Option<Instant>) -> Option<&'a PostRecord> {
-        let call = self.ns(call?);
-        log.get(log.partition_point(|r| r.dequeued_ns < call))
-    }
-
-    /// Signal → that request's first post, in µs.
-    fn posted(&self, log: &[PostRecord], signal: Instant, call: Option<Instant>) -> Option<f64> {
-        let record = self.record(log, call)?;
-        Some(record.posted_ns.saturating_sub(self.ns(signal)) as f64 / 1000.0)
-    }
-
-    /// The request's way through the engine, in µs: the call's start → the worker took it,
-    /// and the worker took it → its first post returned.
-    fn through_engine(&self, log: &[PostRecord], call: Option<Instant>) -> [Option<f64>; 2] {
-        let Some(record) = self.record(log, call) else { return [None, None] };
-        let taken = record.dequeued_ns.saturating_sub(self.ns(call.expect("a record has a call")));
-        [Some(taken as f64 / 1000.0), Some(record.posted_ns.saturating_sub(record.dequeued_ns) as f64 / 1000.0)]
+    /// A request's way through the engine, in µs: the kernel's `signal` → its first post
+    /// returned, the call's start → the worker took it, the worker took it → the first post
+    /// returned. The request is the first command the worker took after the call started (the
+    /// proxy's: nothing else posts on its engine).
+    fn through_engine(&self, log: &[PostRecord], signal: Instant, first: Option<FirstWrite>) -> [Option<f64>; 3] {
+        let Some(first) = first else { return [None; 3] };
+        let call = self.ns(first.call);
+        let Some(record) = log.get(log.partition_point(|r| r.dequeued_ns < call)) else { return [None; 3] };
+        let us = |from: u64, to: u64| Some(to.saturating_sub(from) as f64 / 1000.0);
+        [us(self.ns(signal), record.posted_ns), us(call, record.dequeued_ns), us(record.dequeued_ns, record.posted_ns)]
     }
 }
 
@@ -272,20 +264,19 @@ fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<Str
         for ((raised, d), c) in calls {
             let remote = f64::from(d.remote_peers.max(1));
             let values = [
-                since(raised.dseq, d.counts_first_write_at),
-                since(raised.ddone, d.data_first_write_at),
-                since(raised.cdone, c.first_write_at),
+                since(raised.dseq, d.counts_first_write.map(|f| f.handed)),
+                since(raised.ddone, d.data_first_write.map(|f| f.handed)),
+                since(raised.cdone, c.first_write.map(|f| f.handed)),
                 Some(d.post_per_peer_ns as f64 / 1000.0),
                 Some(c.post_per_peer_ns as f64 / 1000.0),
                 Some(d.total_ns as f64 / 1000.0),
                 Some(f64::from(d.data_writes) / remote),
                 Some(f64::from(c.writes) / f64::from(c.remote_peers.max(1))),
-                clock.posted(log, raised.dseq, d.counts_call_at),
-                clock.posted(log, raised.ddone, d.data_call_at),
-                clock.posted(log, raised.cdone, c.call_at),
+                clock.through_engine(log, raised.dseq, d.counts_first_write)[0],
+                clock.through_engine(log, raised.ddone, d.data_first_write)[0],
             ];
-            let [taken, posted] = clock.through_engine(log, c.call_at);
-            let values = values.into_iter().chain([taken, posted]);
+            // The combine's all three: posted, call → worker took it, → first post.
+            let values = values.into_iter().chain(clock.through_engine(log, raised.cdone, c.first_write));
             for ((_, column), v) in metrics.iter_mut().zip(values) {
                 column.extend(v);
             }

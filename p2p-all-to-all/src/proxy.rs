@@ -123,15 +123,11 @@ pub struct DispatchSample {
     pub remote_peers: u32,
     /// Counts seen → every remote source's records arrived (flags raised).
     pub total_ns: u64,
-    /// When the first count message was handed to the engine (to time from the kernel's signal).
-    pub counts_first_write_at: Option<Instant>,
-    /// When the first data write was handed to the engine.
-    pub data_first_write_at: Option<Instant>,
-    /// When the call handing the first count message to the engine started (to find its
-    /// request in the engine's post log, `LatencyProbe::enable_post_log`).
-    pub counts_call_at: Option<Instant>,
-    /// When the call handing the first data write to the engine started.
-    pub data_call_at: Option<Instant>,
+    /// The call that handed the first count message to the engine (to time from the kernel's
+    /// signal).
+    pub counts_first_write: Option<FirstWrite>,
+    /// The call that handed the first data write to the engine.
+    pub data_first_write: Option<FirstWrite>,
 }
 
 /// One combine's costs as the proxy saw them (nanoseconds).
@@ -144,10 +140,8 @@ pub struct CombineSample {
     /// Writes posted (one per remote rank).
     pub writes: u32,
     pub remote_peers: u32,
-    /// When the first write was handed to the engine (to time from the kernel's signal).
-    pub first_write_at: Option<Instant>,
-    /// When the call handing the first write to the engine started.
-    pub call_at: Option<Instant>,
+    /// The call that handed the first write to the engine (to time from the kernel's signal).
+    pub first_write: Option<FirstWrite>,
 }
 
 /// The all-to-all's `ProxyConfig::eager_targets`: the first target alone. On a 16-core host
@@ -292,11 +286,14 @@ struct State {
     polled_generation: u64,
 }
 
-/// When the call handing a post's first targets to the engine started, and when it returned.
-#[derive(Clone, Copy)]
-struct Posted {
-    call: Instant,
-    handed: Instant,
+/// The call that handed a post's first targets to the engine.
+#[derive(Debug, Clone, Copy)]
+pub struct FirstWrite {
+    /// When it started (its request is the first one the engine's worker takes after this: how
+    /// it is found in the engine's post log, `LatencyProbe::enable_post_log`).
+    pub call: Instant,
+    /// When it returned: the write was handed to the engine.
+    pub handed: Instant,
 }
 
 /// Which of the proxy's scatters a post belongs to.
@@ -512,7 +509,7 @@ impl State {
     /// One request writing `(rank, src_offset, len, dst_offset)` per target of `set` (two with
     /// `eager_targets`), each target's receiver counting `imm` once. Returns when the call
     /// handing the first targets to the engine started and returned (None: no targets).
-    fn scatter(&self, set: Set, targets: &[(usize, usize, usize, usize)], imm: u32) -> Option<Posted> {
+    fn scatter(&self, set: Set, targets: &[(usize, usize, usize, usize)], imm: u32) -> Option<FirstWrite> {
         if targets.is_empty() {
             return None;
         }
@@ -549,14 +546,14 @@ impl State {
         if head < slices.len() {
             submit(&slices[head..]);
         }
-        Some(Posted { call, handed })
+        Some(FirstWrite { call, handed })
     }
 
     /// Posts `(rank, src_offset, len, dst_offset)` per target of `set`, each target's receiver
     /// counting `imm` once: one scatter with `scatter_data`, else one write each (a zero-length
     /// target: the immediate alone). Returns when the call handing the first one to the engine
     /// started and returned.
-    fn post(&self, set: Set, targets: &[(usize, usize, usize, usize)], imm: u32) -> Option<Posted> {
+    fn post(&self, set: Set, targets: &[(usize, usize, usize, usize)], imm: u32) -> Option<FirstWrite> {
         if self.cfg.scatter_data {
             return self.scatter(set, targets, imm);
         }
@@ -570,7 +567,7 @@ impl State {
             } else {
                 self.imm_only(imm, dst);
             }
-            first.get_or_insert_with(|| Posted { call, handed: Instant::now() });
+            first.get_or_insert_with(|| FirstWrite { call, handed: Instant::now() });
         }
         first
     }
@@ -625,8 +622,7 @@ impl State {
             d.known[me] = true;
             d.sample.counts_post_ns = seen.elapsed().as_nanos() as u64;
             d.sample.counts_signal_to_first_write_ns = first.map_or(0, |t| (t.handed - seen).as_nanos() as u64);
-            d.sample.counts_first_write_at = first.map(|t| t.handed);
-            d.sample.counts_call_at = first.map(|t| t.call);
+            d.sample.counts_first_write = first;
             d.sample.count_writes = (w - 1) as u32;
             d.sample.remote_peers = self.remote.len() as u32;
             progressed = true;
@@ -653,8 +649,7 @@ impl State {
             self.targets = targets;
             let sample = &mut self.dispatch.sample;
             sample.signal_to_first_write_ns = first.map_or(0, |t| (t.handed - signal).as_nanos() as u64);
-            sample.data_first_write_at = first.map(|t| t.handed);
-            sample.data_call_at = first.map(|t| t.call);
+            sample.data_first_write = first;
             sample.post_per_peer_ns = signal.elapsed().as_nanos() as u64 / self.remote.len().max(1) as u64;
             self.dispatch.private_posted = true;
             progressed = true;
@@ -796,8 +791,7 @@ impl State {
                     post_per_peer_ns: signal.elapsed().as_nanos() as u64 / u64::from(peers.max(1)),
                     writes: peers,
                     remote_peers: peers,
-                    first_write_at: first.map(|t| t.handed),
-                    call_at: first.map(|t| t.call),
+                    first_write: first,
                 },
             );
             self.combine.posted = true;
