@@ -70,10 +70,14 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// One command as the worker handled it: when it took the command from its queue (or fired
-/// it, if armed) and when the command's first post returned.
+/// One command as the worker handled it: the latest arrival of an immediate before it, when
+/// the worker took the command from its queue (or fired it, if armed) and when the command's
+/// first post returned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PostRecord {
+    /// The latest immediate seen before the post (0: none since the probe was enabled): for
+    /// a request armed on an immediate count, the arrival that fired it.
+    pub seen_ns: u64,
     pub dequeued_ns: u64,
     pub posted_ns: u64,
 }
@@ -126,7 +130,8 @@ impl LatencyProbe {
                 posted.store(now, Ordering::Release);
                 if self.log_room.load(Ordering::Relaxed) > 0 {
                     self.log_room.fetch_sub(1, Ordering::Relaxed);
-                    self.log.lock().push(PostRecord { dequeued_ns: dequeued, posted_ns: now });
+                    let seen = self.marks[Stage::ImmSeen as usize].load(Ordering::Acquire);
+                    self.log.lock().push(PostRecord { seen_ns: seen, dequeued_ns: dequeued, posted_ns: now });
                 }
             }
         }
@@ -196,7 +201,14 @@ mod tests {
         }
         let log = p.take_post_log();
         assert_eq!(log.len(), 2, "{log:?}");
+        assert_eq!(log[0].seen_ns, 0, "no immediate was seen before the first: {log:?}");
         assert!(log[0].dequeued_ns <= log[0].posted_ns && log[0].posted_ns < log[1].dequeued_ns, "{log:?}");
         assert!(p.take_post_log().is_empty());
+        p.enable_post_log(1);
+        p.mark(Stage::ImmSeen);
+        let seen = p.get(Stage::ImmSeen).expect("marked");
+        p.mark(Stage::Dequeued);
+        p.mark_first_post();
+        assert_eq!(p.take_post_log()[0].seen_ns, seen, "the arrival before the post is kept");
     }
 }

@@ -342,13 +342,17 @@ def test_a_killed_writer_costs_the_others_nothing() -> None:
     with peers("tcp", ["victim", "survivor", "rx"], engine_kwargs=WRITER_OPTIONS) as (victim, survivor, rx):
         killed = victim.submit(imm_stream, peer=rx.address, imm=21, count=10**7)
         alive = survivor.submit(imm_stream, peer=rx.address, imm=22, count=20_000)
-        time.sleep(0.5)
+        # Killed mid-stream: once its immediates arrive (a loaded machine may take a while to
+        # start the writer's process), not after a fixed delay.
+        deadline = time.monotonic() + 60
+        while rx.call(count_of, 21) == 0:
+            assert time.monotonic() < deadline, "the victim never started writing"
+            time.sleep(0.05)
         victim.kill()
         assert alive.result(timeout=120) == 20_000
         with pytest.raises(RankError):
             killed.result(timeout=10)
         assert rx.call(wait_imms, {22: 20_000}, settle=0.3) == {22: 0}
-        assert rx.call(count_of, 21) > 0, "the victim was writing when it died"
         assert survivor.call(imm_flood, peer=rx.address, imm=23, count=100) == 100
         assert rx.call(wait_imms, {23: 100}) == {23: 0}
         assert rx.call(refused_immediates) == 0

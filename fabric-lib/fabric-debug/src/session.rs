@@ -1,9 +1,9 @@
 //! One server session: follows a client engine's control messages (verify immediate counts,
 //! echo pings, done) for one server engine until the client says `Done`.
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use fabric_lib::{EngineAddress, MrDescriptor, Stage, TransferEngine};
+use fabric_lib::{EngineAddress, MrDescriptor, PostRecord, TransferEngine};
 
 use crate::bootstrap::{Channel, Control};
 use crate::endpoint::Endpoint;
@@ -19,7 +19,7 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
     eprintln!("fabric-debug server: {name}: client {} connected ({} region)", ch.peer(), client_mr.len);
     let client_mr = Arc::new(client_mr);
     let verify_timeout = Duration::from_secs(args.verify_timeout);
-    let turnarounds = Arc::new(Mutex::new(Vec::new()));
+    let mut echoing = false;
     loop {
         match ch.recv().with_context(|| name.clone())? {
             Control::Expect { imm, count, fence } => {
@@ -32,9 +32,12 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
             Control::Echo { ping, pong, count } => {
                 match args.echo {
                     EchoKind::Triggered => {
-                        let probe = args.echo_breakdown.then(|| (Arc::downgrade(&ep.engine), turnarounds.clone()));
-                        ep.engine.latency_probe().enable(args.echo_breakdown);
-                        arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count, probe)?
+                        if args.echo_breakdown {
+                            // One record per pong, each with the ping that fired it.
+                            ep.engine.latency_probe().enable_post_log(count as usize);
+                            echoing = true;
+                        }
+                        arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count)?
                     }
                     EchoKind::Callback => arm_echo(Arc::downgrade(&ep.engine), client_mr.clone(), ping, pong, count)?,
                 }
@@ -42,7 +45,9 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
             }
             Control::Done => {
                 ch.send(&Control::Reply { ok: true, message: "bye".into() })?;
-                report_turnarounds(&turnarounds.lock().expect("not poisoned"));
+                if echoing {
+                    report_turnarounds(&turnarounds(&ep.engine.latency_probe().take_post_log()));
+                }
                 eprintln!("fabric-debug server: {name}: session done");
                 return Ok(());
             }
@@ -88,23 +93,14 @@ fn send_verdict(engine: &TransferEngine, client: &EngineAddress, verdict: Contro
         .context("sending the verdict message")
 }
 
-/// Per pong, microseconds from reading the ping to firing the pong and to its post returning.
-type Turnarounds = Arc<Mutex<Vec<(f64, f64)>>>;
-
-/// Records the latest ping → pong turnaround from the latency probe (one round trip in flight:
-/// a ping that already arrived for the next round trip leaves the sample out).
-fn record_turnaround(engine: &Weak<TransferEngine>, into: &Turnarounds) {
-    let Some(engine) = engine.upgrade() else { return };
-    let probe = engine.latency_probe();
-    let (Some(seen), Some(fired), Some(posted)) =
-        (probe.get(Stage::ImmSeen), probe.get(Stage::Dequeued), probe.get(Stage::Posted))
-    else {
-        return;
-    };
-    if seen <= fired && fired <= posted {
-        let us = |ns: u64| ns as f64 / 1e3;
-        into.lock().expect("not poisoned").push((us(fired - seen), us(posted - fired)));
-    }
+/// Per pong, microseconds from reading the ping to firing the pong and to its post returning,
+/// from the latency probe's post log (every pong is there: a later ping cannot overwrite it).
+fn turnarounds(log: &[PostRecord]) -> Vec<(f64, f64)> {
+    let us = |ns: u64| ns as f64 / 1e3;
+    log.iter()
+        .filter(|r| r.seen_ns != 0 && r.seen_ns <= r.dequeued_ns && r.dequeued_ns <= r.posted_ns)
+        .map(|r| (us(r.dequeued_ns - r.seen_ns), us(r.posted_ns - r.dequeued_ns)))
+        .collect()
 }
 
 /// Prints p50/p99 of the recorded turnarounds on stderr (nothing if none were recorded).
@@ -125,24 +121,11 @@ fn report_turnarounds(samples: &[(f64, f64)]) {
 }
 
 /// Arms one triggered `pong` per expected `ping`: the worker posts each pong as soon as it
-/// counted the ping, with no thread in between. With `probe`, each pong's completion records
-/// the server's turnaround.
-fn arm_triggered_echo(
-    engine: &TransferEngine,
-    dst: &MrDescriptor,
-    ping: u32,
-    pong: u32,
-    count: u64,
-    probe: Option<(Weak<TransferEngine>, Turnarounds)>,
-) -> Result<()> {
+/// counted the ping, with no thread in between.
+fn arm_triggered_echo(engine: &TransferEngine, dst: &MrDescriptor, ping: u32, pong: u32, count: u64) -> Result<()> {
     for _ in 0..count {
-        let probe = probe.clone();
         let on_done = Box::new(move |r: fabric_lib::Result<()>| match r {
-            Ok(()) => {
-                if let Some((engine, into)) = &probe {
-                    record_turnaround(engine, into);
-                }
-            }
+            Ok(()) => {}
             // The session may end before the last pong's local completion is read.
             Err(fabric_lib::FabricError::Stopped) => {}
             Err(err) => eprintln!("fabric-debug server: pong failed: {err}"),
