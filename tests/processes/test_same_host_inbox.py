@@ -353,6 +353,7 @@ def test_a_killed_writer_costs_the_others_nothing() -> None:
         with pytest.raises(RankError):
             killed.result(timeout=10)
         assert rx.call(wait_imms, {22: 20_000}, settle=0.3) == {22: 0}
+        assert rx.call(count_of, 21) > 0, "the victim was writing when it died"
         assert survivor.call(imm_flood, peer=rx.address, imm=23, count=100) == 100
         assert rx.call(wait_imms, {23: 100}) == {23: 0}
         assert rx.call(refused_immediates) == 0

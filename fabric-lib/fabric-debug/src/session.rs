@@ -19,7 +19,6 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
     eprintln!("fabric-debug server: {name}: client {} connected ({} region)", ch.peer(), client_mr.len);
     let client_mr = Arc::new(client_mr);
     let verify_timeout = Duration::from_secs(args.verify_timeout);
-    let mut echoing = false;
     loop {
         match ch.recv().with_context(|| name.clone())? {
             Control::Expect { imm, count, fence } => {
@@ -35,7 +34,6 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
                         if args.echo_breakdown {
                             // One record per pong, each with the ping that fired it.
                             ep.engine.latency_probe().enable_post_log(count as usize);
-                            echoing = true;
                         }
                         arm_triggered_echo(&ep.engine, &client_mr, ping, pong, count)?
                     }
@@ -45,9 +43,8 @@ pub fn serve(ep: &Endpoint, mut ch: Channel, args: &ServeArgs) -> Result<()> {
             }
             Control::Done => {
                 ch.send(&Control::Reply { ok: true, message: "bye".into() })?;
-                if echoing {
-                    report_turnarounds(&turnarounds(&ep.engine.latency_probe().take_post_log()));
-                }
+                // Empty (nothing printed) unless `--echo-breakdown` started the log.
+                report_turnarounds(&turnarounds(&ep.engine.latency_probe().take_post_log()));
                 eprintln!("fabric-debug server: {name}: session done");
                 return Ok(());
             }
