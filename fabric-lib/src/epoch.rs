@@ -113,11 +113,12 @@ impl Control {
 }
 
 /// The receiver's side: counts per epoch tag, retired tags with their frozen reports, and
-/// the deliveries refused for carrying a retired tag.
+/// the deliveries refused for carrying a retired tag. Keyed by tags and immediates that peers
+/// choose: a seeded hash (foldhash), fast (every arrival is recorded) but not predictable to them.
 #[derive(Default)]
 pub(crate) struct ReceivedEpochs {
-    counted: HashMap<u32, HashMap<u32, u64>>,
-    retired: HashMap<u32, Arc<EpochCounts>>,
+    counted: foldhash::HashMap<u32, foldhash::HashMap<u32, u64>>,
+    retired: foldhash::HashMap<u32, Arc<EpochCounts>>,
     pub stale: Arc<AtomicU64>,
 }
 

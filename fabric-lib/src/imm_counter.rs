@@ -22,7 +22,6 @@
 //! the table's polling time (the engine's `wait_spin`), and only then sleeps on the condition
 //! variable: an arrival that comes soon (a round trip's answer) then costs neither side a futex
 //! call, a scheduler wake-up or the lock, only the count's cache line moving to the waiter.
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -95,7 +94,8 @@ const SWEEP_SLOTS: usize = 4096;
 
 #[derive(Default)]
 struct Inner {
-    slots: HashMap<u32, Slot>,
+    /// Keyed by values peers choose: a seeded hash (foldhash), fast but not predictable to them.
+    slots: foldhash::HashMap<u32, Slot>,
     generic: Option<GenericImmCallback>,
     /// Size at which `add_batch` sweeps next (0: [`SWEEP_SLOTS`]).
     sweep_at: usize,
@@ -115,16 +115,20 @@ impl Inner {
 }
 
 /// The table of counters of one engine.
+///
+/// `closed` and `generation` sit on cache lines of their own: waiters and pollers read them
+/// while the worker takes the lock for every batch, and sharing the lock's line would move it
+/// between their cores several times per arrival.
 #[derive(Default)]
 pub struct ImmCounterTable {
     inner: Mutex<Inner>,
     changed: Condvar,
-    /// Set once by [`ImmCounterTable::close`]; read by polling waiters without the lock.
-    closed: AtomicBool,
     /// How long [`ImmCounterTable::wait`] polls before it sleeps.
     wait_spin: Duration,
+    /// Set once by [`ImmCounterTable::close`]; read by polling waiters without the lock.
+    closed: CachePadded<AtomicBool>,
     /// Raised after every batch of arrivals (see [`ImmCounterTable::generation`]).
-    generation: AtomicU64,
+    generation: CachePadded<AtomicU64>,
 }
 
 impl ImmCounterTable {
@@ -248,13 +252,14 @@ impl ImmCounterTable {
             if count.take(n) {
                 return Some(Ok(()));
             }
-            if self.closed.load(Ordering::Acquire) {
-                return Some(Err(FabricError::Stopped));
-            }
             polls = polls.wrapping_add(1);
             if !polls.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
+            }
+            // Now and then only: a shutdown is rare, the count is what the poll waits for.
+            if self.closed.load(Ordering::Acquire) {
+                return Some(Err(FabricError::Stopped));
             }
             if Instant::now() >= until {
                 return None;

@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_utils::CachePadded;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::callback::CallbackQueue;
@@ -53,7 +54,7 @@ pub(crate) struct WorkerInfo {
     pub stats: Arc<[DomainCounters]>,
     /// Set once the worker left its loop (stopped, or a bug made it panic): from then on no
     /// command is served, and the engine fails what it finds in the queue itself.
-    pub exited: Arc<AtomicBool>,
+    pub exited: Arc<CachePadded<AtomicBool>>,
     /// Messages refused for exceeding max_message_size.
     pub oversized_messages: Arc<AtomicU64>,
     /// Immediates refused for carrying a retired epoch (see `epoch`).
@@ -70,11 +71,24 @@ pub(crate) struct WorkerInfo {
     pub refused_immediates: Arc<AtomicU64>,
 }
 
-/// Operations and bytes posted on one domain (relaxed atomics: read for reports only).
+/// Operations and bytes posted on one domain (relaxed atomics: read for reports only). Aligned
+/// to a line pair of its own (as `CachePadded`), so the worker's bumps never evict a line that
+/// another thread polls.
 #[derive(Default)]
+#[repr(align(128))]
 pub(crate) struct DomainCounters {
     pub ops: std::sync::atomic::AtomicU64,
     pub bytes: std::sync::atomic::AtomicU64,
+}
+
+impl DomainCounters {
+    /// Counts one post of `len` bytes. Only the worker writes: a load and a store each, not a
+    /// locked read-modify-write (readers see either value).
+    fn record(&self, len: usize) {
+        let bump = |c: &AtomicU64, n: u64| c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        bump(&self.ops, 1);
+        bump(&self.bytes, len as u64);
+    }
 }
 
 struct Region {
@@ -266,7 +280,7 @@ struct Worker {
     same_host: Option<SameHostChannel>,
     same_host_done: Vec<SameHostDone>,
     paged_copy_blocks: u32,
-    exited: Arc<AtomicBool>,
+    exited: Arc<CachePadded<AtomicBool>>,
     /// Whether writes ask for delivery completion (see `WriteCompletion`).
     delivery: bool,
     /// Peers (by their first domain's endpoint) that a request timed out on: nothing is sent
@@ -357,7 +371,7 @@ impl Worker {
             same_host: None,
             same_host_done: Vec::new(),
             paged_copy_blocks: config.paged_copy_blocks,
-            exited: Arc::new(AtomicBool::new(false)),
+            exited: Arc::new(CachePadded::new(AtomicBool::new(false))),
             delivery: config.write_completion.delivery_for(&domains[0].domain.provider_name()),
             fenced: HashSet::new(),
             wide_cq_data: domains.iter().all(|d| d.domain.wide_cq_data()),
@@ -864,9 +878,7 @@ impl Worker {
         match posted {
             Ok(Posted::Ok) => {
                 self.probe.mark_first_post();
-                let counters = &self.stats[domain];
-                counters.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                counters.bytes.fetch_add(post.op.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                self.stats[domain].record(post.op.len());
                 self.outstanding.insert(context as usize);
                 Ok(true)
             }
@@ -905,9 +917,11 @@ impl Worker {
     fn progress(&mut self) -> bool {
         let mut active = false;
         for domain in 0..self.domains.len() {
-            let dests: Vec<u64> = self.pending[domain].keys().copied().collect();
-            for dest in dests {
-                active |= self.retry_pending(domain, dest);
+            if !self.pending[domain].is_empty() {
+                let dests: Vec<u64> = self.pending[domain].keys().copied().collect();
+                for dest in dests {
+                    active |= self.retry_pending(domain, dest);
+                }
             }
             if !self.domains[domain].recv_to_post.is_empty() {
                 if let Err(e) = self.domains[domain].post_receives() {
@@ -989,7 +1003,9 @@ impl Worker {
     /// Hands the completions gathered in this round to the callback thread as one job (one
     /// channel send and at most one wake-up per round, not per request).
     fn flush_done(&mut self) {
-        self.flush_counters();
+        if !self.counted.is_empty() {
+            self.flush_counters();
+        }
         match self.done.len() {
             0 => {}
             1 => {

@@ -67,7 +67,8 @@ pub struct TransferEngine {
     commands: Sender<Command>,
     /// The worker's end of the command queue, to fail what it left there after it exited.
     leftovers: Receiver<Command>,
-    worker_exited: Arc<AtomicBool>,
+    /// On a line of its own: every submit reads it, and the worker allocated it among its own.
+    worker_exited: Arc<crossbeam_utils::CachePadded<AtomicBool>>,
     oversized_messages: Arc<AtomicU64>,
     stale_immediates: Arc<AtomicU64>,
     refused_immediates: Arc<AtomicU64>,

@@ -8,7 +8,7 @@
 //! armed, each consuming its `count`; arrivals no trigger needs go to the table as before. A
 //! trigger that times out fails its request with [`FabricError::Timeout`] and gives the arrivals
 //! it had consumed back to the table.
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::Worker;
@@ -29,7 +29,8 @@ pub(super) struct Armed {
 /// Armed triggers, per immediate value in arming order.
 #[derive(Default)]
 pub(super) struct Triggers {
-    queues: HashMap<u32, VecDeque<Armed>>,
+    /// Looked up with every arriving immediate (chosen by peers): a seeded hash, foldhash.
+    queues: foldhash::HashMap<u32, VecDeque<Armed>>,
     /// No armed trigger's deadline is earlier (an armed trigger may have fired since): the
     /// expiry scan runs only once this passed, not on every idle poll of the worker, which may
     /// hold thousands of armed triggers (an echo server arms one per expected ping).
