@@ -128,6 +128,12 @@ pub struct EngineConfig {
     pub shard_min_bytes: u64,
     /// CPU to pin the worker thread to (`None`: not pinned).
     pub worker_cpu: Option<usize>,
+    /// The GPU this engine serves (a CUDA device ordinal). Its worker makes that GPU's primary
+    /// context current on itself before it opens the provider, so the provider's own CUDA work
+    /// (shm's host registrations, device copies and CUDA IPC opens with FI_HMEM) runs on this
+    /// GPU and never creates a context on another. `None`: the first GPU whose memory the
+    /// engine registers, from that registration on.
+    pub cuda_device: Option<u32>,
     /// Worker idle behaviour.
     pub poll_mode: PollMode,
     /// A request not completed after this long fails with a timeout (dead or stuck peer).
@@ -251,6 +257,7 @@ impl Default for EngineConfig {
             provider: ProviderSpec::default(),
             shard_min_bytes: 256 * 1024,
             worker_cpu: None,
+            cuda_device: None,
             poll_mode: PollMode::Busy,
             transfer_timeout: Duration::from_secs(30),
             command_timeout: Duration::from_secs(10),

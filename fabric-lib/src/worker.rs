@@ -191,7 +191,12 @@ pub(crate) fn spawn(
                     tracing::warn!("could not pin the worker to CPU {cpu}");
                 }
             }
-            match Worker::open(&config, rx, imm, callbacks, probe, peers) {
+            let opened = bind_device(config.cuda_device).and_then(|cuda| {
+                let mut worker = Worker::open(&config, rx, imm, callbacks, probe, peers)?;
+                worker.cuda = cuda;
+                Ok(worker)
+            });
+            match opened {
                 Ok(mut worker) => {
                     let info = WorkerInfo {
                         provider: worker.domains[0].domain.provider_name(),
@@ -228,6 +233,17 @@ pub(crate) fn spawn(
         .recv_timeout(timeout)
         .map_err(|_| FabricError::Timeout(format!("worker did not open its domains within {timeout:?}")))??;
     Ok(Spawned { commands: tx, leftovers, handle, info })
+}
+
+/// Makes `device`'s primary context current on this thread (see `EngineConfig::cuda_device`).
+fn bind_device(device: Option<u32>) -> Result<Option<Arc<cuda_lib::Context>>> {
+    let Some(device) = device else { return Ok(None) };
+    let ctx = cuda_lib::Context::new(device as usize).map_err(|e| match e {
+        cuda_lib::CudaError::InvalidArgument(m) => FabricError::InvalidArgument(format!("cuda_device: {m}")),
+        other => other.into(),
+    })?;
+    ctx.bind()?;
+    Ok(Some(ctx))
 }
 
 struct Worker {
@@ -313,6 +329,10 @@ struct Worker {
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
+    /// The primary context of the GPU whose memory this engine registered first, current on
+    /// this thread from then on (see `bind_cuda`); dropped after the domains, which may still
+    /// make CUDA calls while they close.
+    cuda: Option<Arc<cuda_lib::Context>>,
 }
 
 impl Worker {
@@ -388,6 +408,7 @@ impl Worker {
             known: Vec::new(),
             yield_every: if crate::spin::spare_cores() { 64 } else { 1 },
             domains,
+            cuda: None,
         })
     }
 
@@ -464,17 +485,18 @@ impl Worker {
                     (true, MemoryKind::Host) => {
                         self.domains.iter_mut().map(|d| d.domain.register(ptr as *mut u8, len, access)).collect()
                     }
-                    (true, MemoryKind::Cuda(device)) => self
-                        .domains
-                        .iter_mut()
-                        .map(|d| {
-                            let (mr, how) =
-                                d.domain.register_cuda(ptr as *mut u8, len, device, gpu_registration, access)?;
-                            // Reported: the fallback where domains differ.
-                            nic = nic.max(Some(how));
-                            Ok(mr)
-                        })
-                        .collect(),
+                    (true, MemoryKind::Cuda(device)) => self.bind_cuda(device).and_then(|()| {
+                        self.domains
+                            .iter_mut()
+                            .map(|d| {
+                                let (mr, how) =
+                                    d.domain.register_cuda(ptr as *mut u8, len, device, gpu_registration, access)?;
+                                // Reported: the fallback where domains differ.
+                                nic = nic.max(Some(how));
+                                Ok(mr)
+                            })
+                            .collect()
+                    }),
                 };
                 let result = mrs.map(|mrs| {
                     let keys = mrs.iter().map(|m| (m.key(), m.remote_base())).collect();
@@ -523,6 +545,31 @@ impl Worker {
             Command::Stop => return false,
         }
         true
+    }
+
+    /// Makes `device`'s primary context current on this thread, once, before its memory
+    /// reaches the provider. A provider's own CUDA calls (shm's device copies and CUDA IPC
+    /// opens, through the CUDA runtime) run in the calling thread's current context, and a
+    /// thread without one gets device 0's: an engine serving another GPU would then copy on
+    /// device 0, time-sliced with that GPU's work, and outside the stream its application waits
+    /// for. The first GPU registered wins; memory of other GPUs still works, through peer access.
+    fn bind_cuda(&mut self, device: u32) -> Result<()> {
+        match &self.cuda {
+            Some(ctx) if ctx.device().ordinal() != device as usize => {
+                tracing::debug!(
+                    "GPU {device} memory registered on an engine bound to GPU {}: the provider's device \
+                     copies run on GPU {}",
+                    ctx.device().ordinal(),
+                    ctx.device().ordinal()
+                );
+                Ok(())
+            }
+            Some(_) => Ok(()),
+            None => {
+                self.cuda = bind_device(Some(device))?;
+                Ok(())
+            }
+        }
     }
 
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {

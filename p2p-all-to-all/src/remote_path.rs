@@ -123,7 +123,10 @@ impl RemotePath {
         layout: RemoteLayout,
         opts: &RemoteOptions,
     ) -> Result<Self> {
-        let engine = Arc::new(TransferEngine::new(EngineConfig { force_network: true, ..opts.engine.clone() })?);
+        // The rank's GPU: the provider's CUDA work (shm's device copies) runs there.
+        let cuda_device = opts.engine.cuda_device.or(Some(device as u32));
+        let engine =
+            Arc::new(TransferEngine::new(EngineConfig { force_network: true, cuda_device, ..opts.engine.clone() })?);
         let gpu = engine.gpu_network();
         let block = BlockLayout::new(&layout);
         let block_buf = PinnedHostBuffer::new(ctx, block.bytes)?;

@@ -46,6 +46,7 @@ pub fn engine_config(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyR
         let wrong = |e: PyErr| invalid(py, format!("engine option {name}={value}: {e}"));
         match name.as_str() {
             "worker_cpu" => config.worker_cpu = Some(value.extract().map_err(wrong)?),
+            "cuda_device" => config.cuda_device = Some(value.extract().map_err(wrong)?),
             "uvm_watcher_cpu" => config.uvm_watcher_cpu = Some(value.extract().map_err(wrong)?),
             "poll_mode" => {
                 config.poll_mode = match value.extract::<String>().map_err(wrong)?.as_str() {
@@ -112,6 +113,7 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let c = EngineConfig::default();
     let d = PyDict::new(py);
     d.set_item("worker_cpu", c.worker_cpu)?;
+    d.set_item("cuda_device", c.cuda_device)?;
     d.set_item("poll_mode", poll_mode_name(c.poll_mode))?;
     d.set_item("transfer_timeout", c.transfer_timeout.as_secs_f64())?;
     d.set_item("command_timeout", c.command_timeout.as_secs_f64())?;

@@ -251,6 +251,12 @@ class TransferEngine:
 
         worker_cpu: CPU to pin the worker thread to, or "auto" for the first physical core of
             the host's NUMA node (from ``detect_topology()``) [not pinned].
+        cuda_device: the GPU (CUDA device ordinal) this engine serves. The provider's own CUDA
+            work (with FI_HMEM: shm's host registrations, device copies and CUDA IPC opens) runs
+            in the worker thread's current CUDA context, which is this GPU's from the start;
+            unset, it becomes the first GPU whose memory is registered, from that registration
+            on (the provider may touch device 0 while it opens). Set it on multi-GPU hosts
+            [the first registered GPU].
         poll_mode: "busy" (lowest latency, one core) or "adaptive" (spins, then sleeps when
             idle) ["busy"].
         transfer_timeout: seconds after which an unfinished request fails (dead peer) [30].
@@ -328,6 +334,7 @@ class TransferEngine:
         domain: str | Sequence[str] | None = None,
         *,
         worker_cpu: int | Literal["auto"] | None = None,
+        cuda_device: int | None = None,
         poll_mode: Literal["busy", "adaptive"] | None = None,
         transfer_timeout: float | None = None,
         command_timeout: float | None = None,
@@ -361,6 +368,7 @@ class TransferEngine:
             worker_cpu = cpus[0] if cpus else None
         options = {
             "worker_cpu": worker_cpu,
+            "cuda_device": cuda_device,
             "poll_mode": poll_mode,
             "transfer_timeout": transfer_timeout,
             "command_timeout": command_timeout,

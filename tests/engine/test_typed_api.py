@@ -180,3 +180,21 @@ def test_submit_overloads_type_the_return(tmp_path: Path) -> None:
         """,
     )
     assert bad.returncode == 1 and '"None" has no attribute "result"' in bad.stdout, bad.stdout
+
+
+def test_cuda_device_is_checked_when_the_engine_starts() -> None:
+    """``cuda_device`` binds that GPU's context on the worker: without a driver that is a typed
+    CUDA error, with one a GPU that does not exist is an invalid argument."""
+    import fabric_lib.cuda as fcuda
+
+    try:
+        gpus = fcuda.device_count()
+    except errors.CudaUnavailableError:
+        with pytest.raises(errors.CudaUnavailableError):
+            fabric_lib.TransferEngine("tcp", cuda_device=0)
+        return
+    with pytest.raises(errors.InvalidArgumentError, match="cuda_device"):
+        fabric_lib.TransferEngine("tcp", cuda_device=gpus)
+    if gpus:
+        with fabric_lib.TransferEngine("tcp", cuda_device=gpus - 1) as e:
+            assert e.main_address.provider.startswith("tcp")

@@ -65,6 +65,9 @@ LAYOUTS = [
     Layout("tcp_host", "tcp", world=3, nvlink=1),
     Layout("shm_gpu", "shm", world=2, nvlink=1, engine_options={"gpu_network": True}, gpu_buffers=True),
     Layout("mixed_tcp", "tcp", world=4, nvlink=2),
+    # NVLink domains of 2, the other domain through shm with GPU buffers: on a host of 4 GPUs
+    # every remote pair crosses GPUs (the engines' device copies run on each rank's own GPU).
+    Layout("mixed_shm_gpu", "shm", world=4, nvlink=2, engine_options={"gpu_network": True}, gpu_buffers=True),
 ]
 
 

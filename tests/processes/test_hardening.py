@@ -52,6 +52,8 @@ BAD_OPTIONS: list[dict[str, Any]] = [
     {"worker_cpu": 10**6},
     {"worker_cpu": -1},
     {"uvm_watcher_cpu": 2**63},
+    {"cuda_device": -1},
+    {"cuda_device": "cuda:0"},
     {"poll_mode": "sometimes"},
     {"write_completion": "eventually"},
     {"shard_min_bytes": -1},
