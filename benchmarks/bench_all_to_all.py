@@ -30,7 +30,8 @@ each object also passing the combine spot check (``max_combine_error``).
 With remote ranks (``--nvlink`` below the world size) it also reports the proxy's own costs, as
 the proxy recorded them per call (``proxy`` in the JSON): counts published → first count message
 posted, records packed → first data write posted, time to post per remote rank, writes per
-remote rank per call; and the host time of each ``dispatch`` / ``combine`` call (app call →
+remote rank per call, counts published → every remote source's records arrived (for fused calls
+and split halves apart); and the host time of each ``dispatch`` / ``combine`` call (app call →
 kernel enqueued, ``host_call``).
 
 Launched with ``--init-method`` / ``--node-rank`` it starts this node's ``--procs-per-node``
@@ -267,9 +268,11 @@ def remote_kwargs(args: argparse.Namespace, world: int) -> dict[str, Any]:
     }
 
 
-def proxy_summary(a2a: Any) -> dict[str, Any]:
-    """The proxy's recorded costs since the last read (see the module documentation)."""
-    d, c = a2a.proxy_stats()
+def proxy_summary(fused: Any, split: Any) -> dict[str, Any]:
+    """The proxy's recorded costs (see the module documentation) of the fused calls and of the
+    split halves (``a2a.proxy_stats()`` after each), with the dispatch's total (counts seen ->
+    every remote source's records arrived) for each apart."""
+    d, c = fused[0] + split[0], fused[1] + split[1]
     if not d:
         return {}
 
@@ -285,6 +288,8 @@ def proxy_summary(a2a: Any) -> dict[str, Any]:
         "dispatch_signal_to_first_write_us": us(d, "signal_to_first_write_ns"),
         "dispatch_post_per_peer_us": us(d, "post_per_peer_ns"),
         "dispatch_proxy_total_us": us(d, "total_ns"),
+        "dispatch_proxy_total_fused_us": us(fused[0], "total_ns") if fused[0] else {},
+        "dispatch_proxy_total_split_us": us(split[0], "total_ns") if split[0] else {},
         "dispatch_data_writes_per_peer": mean([x["data_writes"] / max(1, x["remote_peers"]) for x in d]),
         "count_messages_per_call": mean([float(x["count_writes"]) for x in d]),
     }
@@ -367,6 +372,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
     for _ in range(args.warmup + args.iters):
         timer.phase([lambda: on_host("combine", lambda: a2a.combine(expert_out, idx, w))])
     record(["combine"])
+    proxy_fused = a2a.proxy_stats()
     # Halves split around a matmul.
     for _ in range(args.warmup + args.iters):
         timer.phase(
@@ -387,7 +393,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         )
     record(["combine_send", "work", "combine_recv"])
     a2a.check()
-    proxy = proxy_summary(a2a)
+    proxy = proxy_summary(proxy_fused, a2a.proxy_stats())
     max_err = combine_error(a2a)
     a2a.destroy()
 
@@ -493,7 +499,9 @@ def worker(_state: None, args: argparse.Namespace) -> None:
                         f"post/peer {px['dispatch_post_per_peer_us']['p50']} us, "
                         f"writes/peer {px['dispatch_data_writes_per_peer']} (+1 counts) / "
                         f"{px.get('combine_writes_per_peer', 0)}, "
-                        f"host call {res['host_call_us'][0]['dispatch']['p50']} us"
+                        f"host call {res['host_call_us'][0]['dispatch']['p50']} us, "
+                        f"counts->records in fused / split {px['dispatch_proxy_total_fused_us']['p50']} / "
+                        f"{px['dispatch_proxy_total_split_us']['p50']} us"
                     )
                 sweep = [f"{k} {v['p50']}" for k, v in s.items() if "@" in k]
                 if sweep:

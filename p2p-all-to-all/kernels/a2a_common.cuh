@@ -233,7 +233,8 @@ __device__ __forceinline__ bool seq_reached(uint64_t v, uint32_t want) {
 // the flag guards calls it: one load per warp). Returns the flag's value, or 0 when the wait
 // timed out (or an earlier wait did: the object is then poisoned and every later wait returns at
 // once) after recording the error.
-__device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t* flag, uint32_t want) {
+__device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t* flag, uint32_t want,
+                                              uint32_t sleep_ns = 128) {
     uint64_t v = ld_acquire_sys(flag);
     if (seq_reached(v, want)) return v;
     volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
@@ -250,7 +251,7 @@ __device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t
                 return 0;
             }
         }
-        if (spin >= 256) __nanosleep(128);
+        if (spin >= 256) __nanosleep(sleep_ns);
         v = ld_relaxed_sys(flag);
         if (seq_reached(v, want)) return ld_acquire_sys(flag);
     }
@@ -366,6 +367,60 @@ __device__ __forceinline__ bool wait_words(const A2ACommon& c, const uint64_t* p
             __syncwarp();
             return true;
         }
+    }
+}
+
+// Keys of wait_host_flag (a remote rank's count flag and records flag in dispatch, its rows flag
+// in combine) and the kind of wait, which keeps one kernel's tags apart from another's (shared
+// memory is not cleared between launches).
+#define A2A_HOST_KEY_COUNTS 0
+#define A2A_HOST_KEY_RECORDS A2A_MAX_PEERS
+#define A2A_HOST_KEY_ROWS 0
+#define A2A_HOST_KEYS (2 * A2A_MAX_PEERS)
+#define A2A_HOST_WAIT_DISPATCH 1u
+#define A2A_HOST_WAIT_COMBINE 2u
+
+// wait_flag for the proxy's flags, which live in mapped host memory: every read crosses PCIe, and
+// thousands of waiting warps polling at once compete with the transfer itself (with this, a fused
+// call's records arrived about a third sooner over tcp, docs/all_to_all_rdma.md). Per block, the first
+// thread to wait for call `want` on flag `key` polls it (sleeping longer between reads); the
+// others watch in shared memory what it saw, and read the flag themselves once it is up (their
+// own acquire) or now and then (shared memory holds no promise at launch: a stale entry costs
+// time, never correctness). Any thread may call it, in any subset of a warp; where a whole warp
+// waits for one flag, one lane should (then __syncwarp: see wait_words).
+__device__ __forceinline__ uint64_t wait_host_flag(const A2ACommon& c, const uint64_t* flag, uint32_t key,
+                                                   uint32_t want, uint32_t kind) {
+    __shared__ unsigned long long s_seen[A2A_HOST_KEYS];
+    __shared__ uint32_t s_poller[A2A_HOST_KEYS];
+    uint64_t v = ld_acquire_sys(flag);
+    if (seq_reached(v, want)) return v;
+    volatile unsigned long long* seen = s_seen + key;
+    const uint32_t tag = want * 4u + kind;
+    const uint32_t prev = *reinterpret_cast<volatile uint32_t*>(s_poller + key);
+    if (prev != tag && atomicCAS(s_poller + key, prev, tag) == prev) {
+        v = wait_flag(c, flag, want, 1024);  // 0: timed out (the object is poisoned)
+        *seen = v;
+        return v;
+    }
+    volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
+    uint64_t start = 0;
+    for (uint32_t spin = 1;; ++spin) {
+        if ((spin & 63) == 0) {
+            if (*poison) return 0;
+            const uint64_t now = global_timer_ns();
+            if (start == 0) {
+                start = now;
+            } else if (now - start > c.timeout_ns) {
+                *poison = 1;
+                set_error(c, A2A_ERR_TIMEOUT);
+                return 0;
+            }
+        }
+        if (seq_reached(*seen, want) || (spin & 1023) == 0) {
+            v = ld_acquire_sys(flag);
+            if (seq_reached(v, want)) return v;
+        }
+        __nanosleep(256);
     }
 }
 

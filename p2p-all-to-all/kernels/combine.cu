@@ -300,6 +300,7 @@ __device__ __forceinline__ void combine_recv_items(const A2ACombineRecvArgs& a, 
     const uint8_t* mine = shared_of(c, c.rank);
     const uint64_t* ctf = reinterpret_cast<const uint64_t*>(mine + c.off_ctf);
     const uint64_t* token_mask = reinterpret_cast<const uint64_t*>(state_at(c, c.st_token_mask));
+    uint64_t far_ready = 0;  // remote ranks whose rows this warp saw complete (this call)
     for (uint32_t it = gw; it < items; it += gws) {
         const uint32_t t = it / nch, ch = it % nch;
         const uint64_t mask = t < T ? token_mask[t] : 0ull;
@@ -315,11 +316,28 @@ __device__ __forceinline__ void combine_recv_items(const A2ACombineRecvArgs& a, 
             return d < c.world && !is_nvlink<R>(c, d) ? blk_u64(c, c.blk_crflag) + d
                                                       : ctf + ((uint64_t)d * c.max_tokens + t) * nch + ch;
         };
+        // Remote ranks' flags (host memory) once per warp and call, through the block's watcher
+        // (wait_host_flag); then the NVLink peers' words.
+        const auto remote = [&](uint32_t d) {
+            return d < c.world && ((mask >> d) & 1ull) && !is_nvlink<R>(c, d) && !((far_ready >> d) & 1ull);
+        };
+        const auto nvlink = [&](uint32_t d) { return d < c.world && ((mask >> d) & 1ull) && is_nvlink<R>(c, d); };
+        bool far = true, up_lo = false, up_hi = false;
+        if (remote(lane)) {
+            up_lo = wait_host_flag(c, flag_of(lane), A2A_HOST_KEY_ROWS + lane, n, A2A_HOST_WAIT_COMBINE) != 0;
+            far = up_lo;
+        }
+        if (c.world > 32 && remote(lane + 32)) {
+            up_hi = wait_host_flag(c, flag_of(lane + 32), A2A_HOST_KEY_ROWS + lane + 32, n, A2A_HOST_WAIT_COMBINE) != 0;
+            far = up_hi && far;
+        }
+        far_ready |= (uint64_t)__ballot_sync(0xffffffffu, up_lo) | ((uint64_t)__ballot_sync(0xffffffffu, up_hi) << 32);
         uint64_t flag;
-        bool ok = wait_words(c, flag_of(lane), n, lane < c.world && ((mask >> lane) & 1ull), flag);
+        bool ok = __all_sync(0xffffffffu, far);
+        ok = wait_words(c, flag_of(lane), n, nvlink(lane), flag) && ok;
         if (c.world > 32) {
             const uint32_t d = lane + 32;
-            ok = wait_words(c, flag_of(d), n, d < c.world && ((mask >> d) & 1ull), flag) && ok;
+            ok = wait_words(c, flag_of(d), n, nvlink(d), flag) && ok;
         }
         const uint64_t got = ok ? mask : 0ull;  // timed out (reported)
         const uint64_t nvm = nvmask_of<R>(c);

@@ -460,8 +460,10 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
     for (uint32_t s = rt; s < W; s += nrt) {
         // NVLink sources: (seq, tokens) from the source itself; remote ones: (seq, records) from
         // the proxy once every count message is in.
-        const uint64_t* flag = is_nvlink<R>(c, s) ? mine.dcf + s : blk_u64(c, c.blk_rcf) + par * W + s;
-        const uint64_t v = wait_flag(c, flag, n);
+        const uint64_t v = is_nvlink<R>(c, s)
+                               ? wait_flag(c, mine.dcf + s, n)
+                               : wait_host_flag(c, blk_u64(c, c.blk_rcf) + par * W + s, A2A_HOST_KEY_COUNTS + s, n,
+                                                A2A_HOST_WAIT_DISPATCH);
         s_ok[s] = v != 0;
         s_T[s] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
         if (blockIdx.x == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[s] = s_T[s];
@@ -603,7 +605,15 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
         while (s + 1 < W && rec_no >= s_rpre[s + 1]) ++s;
         const uint32_t j = rec_no - s_rpre[s];
         if (!((ready >> s) & 1ull)) {
-            if (wait_flag(c, blk_u64(c, c.blk_rflag) + par * W + s, n) == 0) continue;  // timed out (reported)
+            // One lane waits; the warp barrier orders its acquire before every lane's reads.
+            uint64_t v = 0;
+            if (lane == 0) {
+                const uint64_t* rflag = blk_u64(c, c.blk_rflag) + par * W + s;
+                v = wait_host_flag(c, rflag, A2A_HOST_KEY_RECORDS + s, n, A2A_HOST_WAIT_DISPATCH);
+            }
+            v = __shfl_sync(0xffffffffu, v, 0);
+            __syncwarp();
+            if (v == 0) continue;  // timed out (reported)
             ready |= 1ull << s;
         }
         uint64_t at = (uint64_t)par * c.drecv_records;
