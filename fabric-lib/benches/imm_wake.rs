@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 use fabric_lib::ImmCounterTable;
 
+#[path = "common/flags.rs"]
+mod flags;
+
 const PING: u32 = 11;
 const PONG: u32 = 12;
 
@@ -25,13 +28,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut args = Args { iters: 200_000, rounds: 3, cpus: None, json_out: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        // `cargo bench` passes `--bench` to every harness-less bench.
-        if flag == "--bench" {
-            continue;
-        }
-        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+    for (flag, value) in flags::flag_pairs() {
         match flag.as_str() {
             "--iters" => args.iters = value.parse().expect("--iters: a number"),
             "--rounds" => args.rounds = value.parse().expect("--rounds: a number"),

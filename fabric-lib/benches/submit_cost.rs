@@ -23,6 +23,9 @@ use fabric_lib::{
     ScatterSlice, ScatterTarget, TransferEngine, WriteRequest,
 };
 
+#[path = "common/flags.rs"]
+mod flags;
+
 const WINDOW: usize = 32;
 const SLICE: u64 = 4096;
 
@@ -35,13 +38,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut args = Args { provider: "tcp".into(), targets: vec![1, 8, 64], calls: 20_000, json_out: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        // `cargo bench` passes `--bench` to every harness-less bench.
-        if flag == "--bench" {
-            continue;
-        }
-        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+    for (flag, value) in flags::flag_pairs() {
         match flag.as_str() {
             "--provider" => args.provider = value,
             "--targets" => args.targets = value.split(',').map(|t| t.parse().expect("--targets: numbers")).collect(),

@@ -228,6 +228,23 @@ __device__ __forceinline__ bool seq_reached(uint64_t v, uint32_t want) {
     return (int32_t)((uint32_t)(v >> 32) - want) >= 0;
 }
 
+// A wait's check every 64 spins: true once the object is poisoned (an earlier wait timed out) or
+// this wait, started at `start` (0 until the first check), ran past the timeout, which poisons the
+// object and records the error.
+__device__ __forceinline__ bool wait_expired(const A2ACommon& c, uint64_t& start) {
+    volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
+    if (*poison) return true;
+    const uint64_t now = global_timer_ns();
+    if (start == 0) {
+        start = now;
+        return false;
+    }
+    if (now - start <= c.timeout_ns) return false;
+    *poison = 1;
+    set_error(c, A2A_ERR_TIMEOUT);
+    return true;
+}
+
 // Waits until the sequence number in the high half of *flag reached `want` (wrap-safe), with
 // acquire semantics at system scope for the calling thread (every lane of a warp that reads what
 // the flag guards calls it: one load per warp). Returns the flag's value, or 0 when the wait
@@ -237,20 +254,9 @@ __device__ __forceinline__ uint64_t wait_flag(const A2ACommon& c, const uint64_t
                                               uint32_t sleep_ns = 128) {
     uint64_t v = ld_acquire_sys(flag);
     if (seq_reached(v, want)) return v;
-    volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
     uint64_t start = 0;
     for (uint32_t spin = 0;; ++spin) {
-        if ((spin & 63) == 0) {
-            if (*poison) return 0;
-            const uint64_t now = global_timer_ns();
-            if (start == 0) {
-                start = now;
-            } else if (now - start > c.timeout_ns) {
-                *poison = 1;
-                set_error(c, A2A_ERR_TIMEOUT);
-                return 0;
-            }
-        }
+        if ((spin & 63) == 0 && wait_expired(c, start)) return 0;
         if (spin >= 256) __nanosleep(sleep_ns);
         v = ld_relaxed_sys(flag);
         if (seq_reached(v, want)) return ld_acquire_sys(flag);
@@ -402,20 +408,9 @@ __device__ __forceinline__ uint64_t wait_host_flag(const A2ACommon& c, const uin
         *seen = v;
         return v;
     }
-    volatile uint32_t* poison = reinterpret_cast<volatile uint32_t*>(state_at(c, c.st_poison));
     uint64_t start = 0;
     for (uint32_t spin = 1;; ++spin) {
-        if ((spin & 63) == 0) {
-            if (*poison) return 0;
-            const uint64_t now = global_timer_ns();
-            if (start == 0) {
-                start = now;
-            } else if (now - start > c.timeout_ns) {
-                *poison = 1;
-                set_error(c, A2A_ERR_TIMEOUT);
-                return 0;
-            }
-        }
+        if ((spin & 63) == 0 && wait_expired(c, start)) return 0;
         if (seq_reached(*seen, want) || (spin & 1023) == 0) {
             v = ld_acquire_sys(flag);
             if (seq_reached(v, want)) return v;
