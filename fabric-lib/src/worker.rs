@@ -329,9 +329,9 @@ struct Worker {
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
-    /// The primary context of the GPU whose memory this engine registered first, current on
-    /// this thread from then on (see `bind_cuda`); dropped after the domains, which may still
-    /// make CUDA calls while they close.
+    /// The primary context of `cuda_device`, or else of the GPU whose memory this engine
+    /// registered first, current on this thread from then on (see `bind_cuda`); dropped after
+    /// the domains, which may still make CUDA calls while they close.
     cuda: Option<Arc<cuda_lib::Context>>,
 }
 
@@ -547,29 +547,23 @@ impl Worker {
         true
     }
 
-    /// Makes `device`'s primary context current on this thread, once, before its memory
-    /// reaches the provider. A provider's own CUDA calls (shm's device copies and CUDA IPC
-    /// opens, through the CUDA runtime) run in the calling thread's current context, and a
-    /// thread without one gets device 0's: an engine serving another GPU would then copy on
-    /// device 0, time-sliced with that GPU's work, and outside the stream its application waits
-    /// for. The first GPU registered wins; memory of other GPUs still works, through peer access.
+    /// Makes `device`'s primary context current on this thread before its memory reaches the
+    /// provider, unless one is bound already (`cuda_device`, or an earlier registration). A
+    /// provider's own CUDA calls (shm's device copies and CUDA IPC opens, through the CUDA
+    /// runtime) run in the calling thread's current context, and a thread without one gets
+    /// device 0's: an engine serving another GPU would then copy on device 0, time-sliced with
+    /// that GPU's work, and outside the stream its application waits for. Memory of other GPUs
+    /// still works, through peer access.
     fn bind_cuda(&mut self, device: u32) -> Result<()> {
         match &self.cuda {
-            Some(ctx) if ctx.device().ordinal() != device as usize => {
-                tracing::debug!(
-                    "GPU {device} memory registered on an engine bound to GPU {}: the provider's device \
-                     copies run on GPU {}",
-                    ctx.device().ordinal(),
-                    ctx.device().ordinal()
-                );
-                Ok(())
-            }
-            Some(_) => Ok(()),
-            None => {
-                self.cuda = bind_device(Some(device))?;
-                Ok(())
-            }
+            None => self.cuda = bind_device(Some(device))?,
+            Some(ctx) if ctx.device().ordinal() != device as usize => tracing::debug!(
+                "GPU {device} memory registered on an engine bound to GPU {}: the provider's device copies run there",
+                ctx.device().ordinal()
+            ),
+            Some(_) => {}
         }
+        Ok(())
     }
 
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
