@@ -42,6 +42,7 @@ mod deadlines;
 mod epochs;
 mod inbox;
 mod reads;
+mod request_table;
 mod staged;
 mod triggers;
 
@@ -262,10 +263,10 @@ struct Worker {
     oversized_messages: Arc<AtomicU64>,
     max_message_size: usize,
 
+    /// Live requests, by id (a slab: see `request_table`).
+    requests: request_table::RequestTable<Request>,
     /// The maps below are touched for every operation: keyed by ids and pointers this engine
     /// made (or immediates it counts), they use a fast non-keyed hash.
-    requests: FxHashMap<u64, Request>,
-    next_request: u64,
     deadlines: deadlines::Deadlines,
     /// Posts the provider pushed back on, per domain and destination, each in order. Keyed by
     /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
@@ -375,8 +376,7 @@ impl Worker {
             held: VecDeque::new(),
             oversized_messages: Arc::new(AtomicU64::new(0)),
             max_message_size: config.max_message_size,
-            requests: FxHashMap::default(),
-            next_request: 1,
+            requests: request_table::RequestTable::default(),
             deadlines: deadlines::Deadlines::default(),
             pending: (0..domains.len()).map(|_| FxHashMap::default()).collect(),
             waiting_sends: VecDeque::new(),
@@ -567,8 +567,6 @@ impl Worker {
     }
 
     fn new_request(&mut self, on_done: Notify, parts: usize) -> u64 {
-        let id = self.next_request;
-        self.next_request += 1;
         let request = Request {
             remaining: parts,
             error: None,
@@ -577,7 +575,7 @@ impl Worker {
             peers: TargetList::default(),
             inbox_imm: None,
         };
-        self.requests.insert(id, request);
+        let id = self.requests.insert(request);
         self.deadlines.push(deadline_after(self.transfer_timeout), id);
         id
     }
@@ -601,7 +599,7 @@ impl Worker {
 
     /// Keeps a request's peers, to fence them if it times out.
     fn keep_peers(&mut self, request: u64, peers: TargetList) {
-        if let Some(req) = self.requests.get_mut(&request) {
+        if let Some(req) = self.requests.get_mut(request) {
             req.peers = peers;
         }
     }
@@ -690,7 +688,7 @@ impl Worker {
             }
         }
         let delivery = self.delivery || !resolved.is_empty();
-        self.requests.get_mut(&id).expect("just inserted").deferred = resolved;
+        self.requests.get_mut(id).expect("just inserted").deferred = resolved;
         if shards.is_empty() {
             // Immediate-only request (barrier, or no data): the deferred imms are the request.
             self.keep_peers(id, targets);
@@ -939,7 +937,7 @@ impl Worker {
                 self.pending[domain].remove(&dest);
                 return active;
             };
-            if !self.requests.contains_key(&post.request) {
+            if !self.requests.contains(post.request) {
                 self.discard_post(&post);
                 continue; // failed or timed out meanwhile
             }
@@ -1157,7 +1155,7 @@ impl Worker {
 
     fn fail_request(&mut self, request: u64, e: FabricError) {
         self.purge_pending(request);
-        if let Some(req) = self.requests.get_mut(&request) {
+        if let Some(req) = self.requests.get_mut(request) {
             req.deferred.clear();
             req.inbox_imm = None;
             req.remaining = 1;
@@ -1168,7 +1166,7 @@ impl Worker {
     /// Records one finished part of a request. When all data parts are done, posts the deferred
     /// immediates (on success) as the request's last parts; then completes the request.
     fn finish(&mut self, request: u64, result: Result<()>) {
-        let Some(req) = self.requests.get_mut(&request) else { return };
+        let Some(req) = self.requests.get_mut(request) else { return };
         if let Err(e) = result {
             req.error.get_or_insert(e);
         }
@@ -1200,7 +1198,7 @@ impl Worker {
             }
             return;
         }
-        let req = self.requests.remove(&request).expect("present");
+        let req = self.requests.remove(request).expect("present");
         let result = req.error.map_or(Ok(()), Err);
         self.notify(req.on_done, result);
     }
@@ -1242,7 +1240,7 @@ impl Worker {
     fn release_send_slot(&mut self, slot: usize) {
         self.domains[0].free_send_slots.push(slot);
         while let Some((request, dest, data, cq_data)) = self.waiting_sends.pop_front() {
-            if self.requests.contains_key(&request) {
+            if self.requests.contains(request) {
                 self.queue_send(request, dest, data, cq_data);
                 break;
             }
@@ -1253,8 +1251,8 @@ impl Worker {
     fn expire_requests(&mut self) {
         let now = Instant::now();
         self.expire_readmits(now);
-        while let Some(id) = self.deadlines.next_expired(now, |id| self.requests.contains_key(&id)) {
-            let req = self.requests.remove(&id).expect("live");
+        while let Some(id) = self.deadlines.next_expired(now, |id| self.requests.contains(id)) {
+            let req = self.requests.remove(id).expect("live");
             self.purge_pending(id);
             for peer in req.peers.iter() {
                 if let Some(endpoints) = self.peers.endpoints(peer.peer) {
@@ -1266,14 +1264,14 @@ impl Worker {
             self.notify(req.on_done, Err(e));
         }
         let requests = &self.requests;
-        self.deadlines.sweep(requests.len(), |id| requests.contains_key(&id));
+        self.deadlines.sweep(requests.len(), |id| requests.contains(id));
     }
 
     /// Fails everything still in flight, closes the domains and frees leftover contexts.
     fn shutdown(mut self) {
         self.exited.store(true, Ordering::Release);
         self.imm.close(); // wakes every waiter with Stopped
-        let requests: Vec<Request> = self.requests.drain().map(|(_, r)| r).collect();
+        let requests: Vec<Request> = self.requests.drain();
         for req in requests {
             self.notify(req.on_done, Err(FabricError::Stopped));
         }

@@ -100,13 +100,13 @@ impl Worker {
             _ => None,
         };
         match push {
-            Some(push) => self.requests.get_mut(&id).expect("live request").inbox_imm = Some(push),
+            Some(push) => self.requests.get_mut(id).expect("live request").inbox_imm = Some(push),
             None => {
                 let domain = (id as usize % self.domains.len()) as u16;
                 let (key, remote_base) = target.keys[domain as usize];
                 let dest = self.peer_dest(target.peer, domain)?;
                 let d = DeferredImm { peer: 0, domain, imm };
-                self.requests.get_mut(&id).expect("live request").deferred = vec![(d, dest, key, remote_base)];
+                self.requests.get_mut(id).expect("live request").deferred = vec![(d, dest, key, remote_base)];
             }
         }
         self.keep_peers(id, smallvec::smallvec![target].into());
@@ -170,7 +170,7 @@ impl Worker {
         for key in keys {
             let Some(mut queue) = self.inboxes.waiting.remove(&key) else { continue };
             while let Some((request, push)) = queue.pop_front() {
-                if !self.requests.contains_key(&request) {
+                if !self.requests.contains(request) {
                     continue; // failed or timed out meanwhile: nothing to announce
                 }
                 match self.try_push(&push) {

@@ -329,7 +329,7 @@ impl Worker {
             }),
             StagedDest::Region => None,
         };
-        let req = self.requests.get_mut(&id).expect("just created");
+        let req = self.requests.get_mut(id).expect("just created");
         req.remaining = chunks.len().max(1);
         if landing.is_none() {
             if let Some(imm) = imm {
@@ -401,7 +401,7 @@ impl Worker {
     }
 
     fn kill_job(&mut self, id: u64, job: &mut WriterJob, e: FabricError) {
-        if !job.dead && self.requests.contains_key(&id) {
+        if !job.dead && self.requests.contains(id) {
             self.fail_request(id, e);
         }
         if !job.dead {
@@ -421,7 +421,7 @@ impl Worker {
 
     fn advance_write(&mut self, id: u64, job: &mut WriterJob) -> bool {
         let mut active = false;
-        if !job.dead && !self.requests.contains_key(&id) {
+        if !job.dead && !self.requests.contains(id) {
             self.cancel_landing(id, job);
             job.dead = true;
         }
