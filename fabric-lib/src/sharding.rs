@@ -1,7 +1,7 @@
 //! How one request is cut into posted operations across the N domains of a device.
 //!
 //! Pure functions, so the rules are testable without a network. The immediate contract that
-//! follows from them (see [`plan_imms`]): **a request delivers each of its immediates exactly once
+//! follows from them (see [`place_imm`]): **a request delivers each of its immediates exactly once
 //! per target peer, however many operations it was cut into.** Single-operation targets carry the
 //! immediate on their data; multi-operation targets get one zero-byte immediate after all data was
 //! delivered (FI_DELIVERY_COMPLETE), so a receiver never has to know how the sender sharded.
@@ -85,30 +85,17 @@ pub fn page_runs(pages: impl IntoIterator<Item = (u64, u64)>, page_len: u64, max
     runs
 }
 
-/// Moves each target's immediate onto its data when that target has exactly one shard, and
-/// returns the immediates that must be sent after all data was delivered.
-pub fn plan_imms(shards: &mut [Shard], imm_per_peer: &[Option<u32>]) -> Vec<DeferredImm> {
-    // Inline for the usual few peers: this runs on every submit.
-    let mut count: smallvec::SmallVec<[usize; 8]> = smallvec::smallvec![0; imm_per_peer.len()];
-    let mut first_domain: smallvec::SmallVec<[u16; 8]> = smallvec::smallvec![0; imm_per_peer.len()];
-    for s in shards.iter() {
-        let p = s.peer as usize;
-        if count[p] == 0 {
-            first_domain[p] = s.domain;
-        }
-        count[p] += 1;
+/// Places a single-target request's immediate: on its data when the request is one shard, else
+/// as one zero-byte immediate to send once every shard was delivered (on the first shard's
+/// domain). Every single write runs it.
+pub fn place_imm(shards: &mut [Shard], imm: Option<u32>) -> Vec<DeferredImm> {
+    if let [only] = shards {
+        only.imm = imm;
+        return Vec::new();
     }
-    for s in shards.iter_mut() {
-        s.imm = if count[s.peer as usize] == 1 { imm_per_peer[s.peer as usize] } else { None };
-    }
-    imm_per_peer
-        .iter()
-        .enumerate()
-        .filter_map(|(p, imm)| {
-            let imm = (*imm)?;
-            (count[p] != 1).then_some(DeferredImm { peer: p as u32, domain: first_domain[p], imm })
-        })
-        .collect()
+    shards.iter_mut().for_each(|s| s.imm = None);
+    let domain = shards.first().map_or(0, |s| s.domain);
+    imm.map(|imm| DeferredImm { peer: 0, domain, imm }).into_iter().collect()
 }
 
 #[cfg(test)]
@@ -167,20 +154,23 @@ mod tests {
     }
 
     #[test]
-    fn one_logical_imm_per_target() {
-        let mk = |peer, domain| Shard { peer, domain, src_offset: 0, len: 1, dst_offset: 0, imm: None };
-        let mut shards = vec![mk(0, 0), mk(1, 1), mk(1, 0), mk(2, 1)];
-        let deferred = plan_imms(&mut shards, &[Some(5), Some(6), None]);
-        assert_eq!(shards[0].imm, Some(5));
-        assert_eq!(shards[1].imm, None);
-        assert_eq!(shards[2].imm, None);
-        assert_eq!(shards[3].imm, None);
-        assert_eq!(deferred, vec![DeferredImm { peer: 1, domain: 1, imm: 6 }]);
+    fn one_logical_imm_per_request() {
+        let mk = |domain| Shard { peer: 0, domain, src_offset: 0, len: 1, dst_offset: 0, imm: Some(1) };
+        // One shard: the immediate rides on the data.
+        let mut one = [mk(1)];
+        assert!(place_imm(&mut one, Some(5)).is_empty());
+        assert_eq!(one[0].imm, Some(5));
+        // Several: none on the data, one deferred on the first shard's domain.
+        let mut three = [mk(1), mk(0), mk(1)];
+        assert_eq!(place_imm(&mut three, Some(6)), vec![DeferredImm { peer: 0, domain: 1, imm: 6 }]);
+        assert!(three.iter().all(|s| s.imm.is_none()));
+        // No immediate: nothing anywhere.
+        let mut two = [mk(0), mk(1)];
+        assert!(place_imm(&mut two, None).is_empty() && two.iter().all(|s| s.imm.is_none()));
     }
 
     #[test]
-    fn target_without_shards_still_gets_its_imm() {
-        let deferred = plan_imms(&mut [], &[Some(9)]);
-        assert_eq!(deferred, vec![DeferredImm { peer: 0, domain: 0, imm: 9 }]);
+    fn request_without_shards_still_gets_its_imm() {
+        assert_eq!(place_imm(&mut [], Some(9)), vec![DeferredImm { peer: 0, domain: 0, imm: 9 }]);
     }
 }

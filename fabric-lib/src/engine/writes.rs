@@ -14,7 +14,7 @@ use crate::descriptor::{check_range, MrDescriptor};
 use crate::error::{FabricError, Result};
 use crate::provider::same_host::{Pages, SameHostCopy, SameHostDst};
 use crate::requests::{PagedWriteRequest, WriteRequest};
-use crate::sharding::{page_runs, plan_imms, split_bytes, DomainChoice, Pieces, Shard};
+use crate::sharding::{page_runs, place_imm, split_bytes, DomainChoice, Pieces, Shard};
 
 /// The longest write that pages adjacent on both sides are merged into on one domain.
 const MAX_PAGE_RUN: u64 = 16 << 20;
@@ -88,7 +88,7 @@ impl TransferEngine {
                 imm: None,
             })
             .collect();
-        let deferred = plan_imms(&mut shards, &[req.imm]);
+        let deferred = place_imm(&mut shards, req.imm);
         Ok(Command::Transfer(Transfer {
             region: req.src.0,
             targets: TargetList::Own(smallvec::smallvec![target]),
@@ -158,7 +158,7 @@ impl TransferEngine {
                 imm: None,
             })
             .collect();
-        let deferred = plan_imms(&mut shards, &[req.imm]);
+        let deferred = place_imm(&mut shards, req.imm);
         self.submit_transfer(Transfer {
             region: req.src.0,
             targets: TargetList::Own(smallvec::smallvec![target]),
@@ -205,7 +205,7 @@ impl TransferEngine {
                 }
                 None => Shards::new(),
             };
-            let deferred = plan_imms(&mut shards, &[imm]);
+            let deferred = place_imm(&mut shards, imm);
             return Ok(Command::Transfer(Transfer {
                 region: SCRATCH_REGION,
                 targets: targets.into(),
