@@ -265,9 +265,9 @@ struct Worker {
 
     /// Live requests, by id (a slab: see `request_table`).
     requests: request_table::RequestTable<Request>,
+    deadlines: deadlines::Deadlines,
     /// The maps below are touched for every operation: keyed by ids and pointers this engine
     /// made (or immediates it counts), they use a fast non-keyed hash.
-    deadlines: deadlines::Deadlines,
     /// Posts the provider pushed back on, per domain and destination, each in order. Keyed by
     /// destination so a dead or slow peer (whose posts keep failing with EAGAIN) never holds up
     /// posts to other peers.

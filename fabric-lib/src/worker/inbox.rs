@@ -36,6 +36,9 @@ pub(super) struct Inboxes {
     waiting: HashMap<InboxKey, VecDeque<(u64, InboxPush)>>,
     /// Inbox entries refused as malformed (a same-host peer wrote garbage into the inbox).
     pub refused: Arc<AtomicU64>,
+    /// Immediates sent over the provider instead (no reachable inbox): they rotate over the
+    /// domains by this count (request ids are slab slots, reused, so they would not).
+    provider_imms: usize,
 }
 
 impl Inboxes {
@@ -102,7 +105,8 @@ impl Worker {
         match push {
             Some(push) => self.requests.get_mut(id).expect("live request").inbox_imm = Some(push),
             None => {
-                let domain = (id as usize % self.domains.len()) as u16;
+                let domain = (self.inboxes.provider_imms % self.domains.len()) as u16;
+                self.inboxes.provider_imms = self.inboxes.provider_imms.wrapping_add(1);
                 let (key, remote_base) = target.keys[domain as usize];
                 let dest = self.peer_dest(target.peer, domain)?;
                 let d = DeferredImm { peer: 0, domain, imm };
