@@ -16,7 +16,9 @@ WORLD_SIZE set) it runs as that rank. For every (tokens, dispatch dtype) it meas
 iteration and as the slowest rank's time (CUDA events; the GPUs are lined up by an all-reduce
 behind a sleep kernel, so host launch overhead is not counted):
 
-- ``dispatch`` / ``combine``: both halves back to back;
+- ``dispatch`` / ``combine``: both halves in one call (the default: one fused kernel over NVLink
+  alone, the halves' two kernels back to back with remote ranks); with remote ranks also
+  ``dispatch_fused`` / ``combine_fused``, the fused kernel forced (``fused=True``);
 - ``dispatch_send`` + ``dispatch_recv`` / ``combine_send`` + ``combine_recv``: the halves with a
   matmul between them (what remains of the transfer once other work overlapped it);
 - ``nccl_dispatch`` / ``nccl_combine``: the same routing (each token once per destination rank)
@@ -30,8 +32,8 @@ each object also passing the combine spot check (``max_combine_error``).
 With remote ranks (``--nvlink`` below the world size) it also reports the proxy's own costs, as
 the proxy recorded them per call (``proxy`` in the JSON): counts published → first count message
 posted, records packed → first data write posted, time to post per remote rank, writes per
-remote rank per call, counts published → every remote source's records arrived (for fused calls
-and split halves apart); and the host time of each ``dispatch`` / ``combine`` call (app call →
+remote rank per call, counts published → every remote source's records arrived (for each kind of
+call apart); and the host time of each ``dispatch`` / ``combine`` call (app call →
 kernel enqueued, ``host_call``).
 
 Launched with ``--init-method`` / ``--node-rank`` it starts this node's ``--procs-per-node``
@@ -268,11 +270,13 @@ def remote_kwargs(args: argparse.Namespace, world: int) -> dict[str, Any]:
     }
 
 
-def proxy_summary(fused: Any, split: Any) -> dict[str, Any]:
-    """The proxy's recorded costs (see the module documentation) of the fused calls and of the
-    split halves (``a2a.proxy_stats()`` after each), with the dispatch's total (counts seen ->
-    every remote source's records arrived) for each apart."""
-    d, c = fused[0] + split[0], fused[1] + split[1]
+def proxy_summary(calls: dict[str, Any]) -> dict[str, Any]:
+    """The proxy's recorded costs (see the module documentation) by kind of call ("halves": both
+    halves' kernels back to back, "fused", "split": halves around a matmul; ``a2a.proxy_stats()``
+    after each), with the dispatch's total (counts seen -> every remote source's records arrived)
+    for each kind apart."""
+    d = [x for dc in calls.values() for x in dc[0]]
+    c = [x for dc in calls.values() for x in dc[1]]
     if not d:
         return {}
 
@@ -288,8 +292,7 @@ def proxy_summary(fused: Any, split: Any) -> dict[str, Any]:
         "dispatch_signal_to_first_write_us": us(d, "signal_to_first_write_ns"),
         "dispatch_post_per_peer_us": us(d, "post_per_peer_ns"),
         "dispatch_proxy_total_us": us(d, "total_ns"),
-        "dispatch_proxy_total_fused_us": us(fused[0], "total_ns") if fused[0] else {},
-        "dispatch_proxy_total_split_us": us(split[0], "total_ns") if split[0] else {},
+        **{f"dispatch_proxy_total_{kind}_us": us(dc[0], "total_ns") for kind, dc in calls.items() if dc[0]},
         "dispatch_data_writes_per_peer": mean([x["data_writes"] / max(1, x["remote_peers"]) for x in d]),
         "count_messages_per_call": mean([float(x["count_writes"]) for x in d]),
     }
@@ -365,14 +368,20 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
                 if name:
                     seg.setdefault(name, []).append(v)
 
-    # Back to back.
-    for _ in range(args.warmup + args.iters):
-        timer.phase([lambda: on_host("dispatch", lambda: a2a.dispatch(x, idx, scales=scales))])
-    record(["dispatch"])
-    for _ in range(args.warmup + args.iters):
-        timer.phase([lambda: on_host("combine", lambda: a2a.combine(expert_out, idx, w))])
-    record(["combine"])
-    proxy_fused = a2a.proxy_stats()
+    # Both halves in one call: the default (with remote ranks: the halves' kernels back to back),
+    # then, with remote ranks, the fused kernel forced, for comparison in the same run.
+    default_fused = a2a.fused
+    calls: dict[str, Any] = {}
+    for suffix, fused in [("", default_fused)] + ([("_fused", True)] if not default_fused else []):
+        a2a.fused = fused
+        for _ in range(args.warmup + args.iters):
+            timer.phase([lambda: on_host("dispatch" + suffix, lambda: a2a.dispatch(x, idx, scales=scales))])
+        record(["dispatch" + suffix])
+        for _ in range(args.warmup + args.iters):
+            timer.phase([lambda: on_host("combine" + suffix, lambda: a2a.combine(expert_out, idx, w))])
+        record(["combine" + suffix])
+        calls["fused" if fused else "halves"] = a2a.proxy_stats()
+    a2a.fused = default_fused
     # Halves split around a matmul.
     for _ in range(args.warmup + args.iters):
         timer.phase(
@@ -393,7 +402,8 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         )
     record(["combine_send", "work", "combine_recv"])
     a2a.check()
-    proxy = proxy_summary(proxy_fused, a2a.proxy_stats())
+    calls["split"] = a2a.proxy_stats()
+    proxy = proxy_summary(calls)
     max_err = combine_error(a2a)
     a2a.destroy()
 
@@ -500,9 +510,16 @@ def worker(_state: None, args: argparse.Namespace) -> None:
                         f"writes/peer {px['dispatch_data_writes_per_peer']} (+1 counts) / "
                         f"{px.get('combine_writes_per_peer', 0)}, "
                         f"host call {res['host_call_us'][0]['dispatch']['p50']} us, "
-                        f"counts->records in fused / split {px['dispatch_proxy_total_fused_us']['p50']} / "
-                        f"{px['dispatch_proxy_total_split_us']['p50']} us"
+                        "counts->records "
+                        + ", ".join(
+                            f"{k.removeprefix('dispatch_proxy_total_').removesuffix('_us')} {v['p50']}"
+                            for k, v in px.items()
+                            if k.startswith("dispatch_proxy_total_") and k != "dispatch_proxy_total_us"
+                        )
+                        + " us"
                     )
+                if "dispatch_fused" in s:
+                    line += f" | fused kernel {s['dispatch_fused']['p50']} / {s['combine_fused']['p50']}"
                 sweep = [f"{k} {v['p50']}" for k, v in s.items() if "@" in k]
                 if sweep:
                     line += " | sweep " + ", ".join(sweep)
@@ -536,6 +553,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     kinds = [
         "dispatch",
         "combine",
+        "dispatch_fused",
+        "combine_fused",
         "dispatch_split_total",
         "combine_split_total",
         "nccl_dispatch",

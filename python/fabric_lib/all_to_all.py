@@ -144,8 +144,10 @@ class AllToAll:
         validate: check expert indices on the host before every dispatch (synchronizes).
         publish_host_counts: have dispatch write per-expert counts to host memory
             (:meth:`host_counts`; the hook of a future RDMA proxy).
-        fused: run both halves of a call as one kernel when both are asked for (False: two
-            kernels, as with ``do_send`` / ``do_recv``).
+        fused: run both halves of a call as one kernel when both are asked for (False: the two
+            halves' kernels back to back, as with ``do_send`` / ``do_recv``). Default: fused when
+            every rank is over NVLink; with remote ranks the halves, because a fused kernel's
+            receiving warps slow the remote transfer down (docs/all_to_all_rdma.md).
         nvlink: ranks per NVLink domain (consecutive ranks; divides the group size). Default: the
             group size (every rank over NVLink: no engine, no proxy). ``1``: every peer through
             the engine.
@@ -177,7 +179,7 @@ class AllToAll:
         timeout: float = 10.0,
         validate: bool = False,
         publish_host_counts: bool = False,
-        fused: bool = True,
+        fused: bool | None = None,
         nvlink: int | None = None,
         nets_per_gpu: int = 1,
         private_tokens: int | None = None,
@@ -223,9 +225,10 @@ class AllToAll:
         self.num_scales = hidden // SCALE_BLOCK if dispatch_dtype == torch.float8_e4m3fn else 0
         self.validate = validate
         self.publish_host_counts = publish_host_counts
-        self.fused = fused
         if nvlink is None:
             nvlink = self.world_size
+        if fused is not None and not isinstance(fused, bool):
+            raise _fail(f"fused={fused!r} must be True, False or None")
         if not isinstance(nvlink, int) or nvlink < 1 or self.world_size % nvlink:
             raise _fail(f"nvlink={nvlink!r} must be a positive int dividing the group size {self.world_size}")
         if private_tokens is None:
@@ -236,6 +239,7 @@ class AllToAll:
             raise _fail(f"nets_per_gpu={nets_per_gpu!r} must be a positive int")
         self.nvlink = nvlink
         remote = nvlink < self.world_size
+        self.fused = not remote if fused is None else fused
         domain_list: list[str] = list(domains) if domains is not None else []
         cpu: int | None = None
         if remote:
