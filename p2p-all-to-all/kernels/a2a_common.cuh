@@ -40,7 +40,8 @@
 //     position) of my slots, hist[E] i32 (my rows per expert), rcnt[W][L] i32 (rows remote
 //     source s sent each local expert), rhdr[W][Tmax][K] int2 (local expert, position) of remote
 //     records' slots, weights[Tmax][K] f32 (my weights, for a separate combine receive),
-//     last_dseq u32 (the dispatch combine follows).
+//     last_dseq u32 (the dispatch combine follows), host_wait[A2A_HOST_KEYS] HostWait (device
+//     copies of the proxy's flags, see wait_host_flag).
 #pragma once
 #include <stdint.h>
 
@@ -82,9 +83,10 @@ struct A2ACommon {
     uint64_t dsend, drecv, csend, crecv;  // device addresses of the remote-traffic buffers
     uint64_t private_tokens, rrec_bytes, drecv_records, csend_rows, crecv_rows;
     uint64_t st_rpack, st_rdone, st_cdone_blocks, st_sslot, st_hist, st_rcnt, st_rhdr, st_weights, st_last_dseq;
+    uint64_t st_host_wait;  // HostWait[A2A_HOST_KEYS]: device-memory mirrors of the proxy's flags
     uint64_t peers[A2A_MAX_PEERS];  // base of every NVLink peer's shared region in this process (own too)
 };
-static_assert(sizeof(A2ACommon) == (61 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
+static_assert(sizeof(A2ACommon) == (62 + A2A_MAX_PEERS) * 8, "mirror of src/params.rs");
 
 struct A2ADispatchSendArgs {
     A2ACommon c;
@@ -377,44 +379,49 @@ __device__ __forceinline__ bool wait_words(const A2ACommon& c, const uint64_t* p
 }
 
 // Keys of wait_host_flag (a remote rank's count flag and records flag in dispatch, its rows flag
-// in combine) and the kind of wait, which keeps one kernel's tags apart from another's (shared
-// memory is not cleared between launches).
+// in combine: each key names one flag of the proxy block) and the kind of wait (part of a
+// poller's tag).
 #define A2A_HOST_KEY_COUNTS 0
 #define A2A_HOST_KEY_RECORDS A2A_MAX_PEERS
-#define A2A_HOST_KEY_ROWS 0
-#define A2A_HOST_KEYS (2 * A2A_MAX_PEERS)
+#define A2A_HOST_KEY_ROWS (2 * A2A_MAX_PEERS)
+#define A2A_HOST_KEYS (3 * A2A_MAX_PEERS)  // HOST_WAIT_KEYS in src/layout.rs
 #define A2A_HOST_WAIT_DISPATCH 1u
 #define A2A_HOST_WAIT_COMBINE 2u
 
-// wait_flag for the proxy's flags, which live in mapped host memory: every read crosses PCIe, and
-// thousands of waiting warps polling at once compete with the transfer itself (with this, a fused
-// call's records arrived about a third sooner over tcp, docs/all_to_all_rdma.md). Per block, the first
-// thread to wait for call `want` on flag `key` polls it (sleeping longer between reads); the
-// others watch in shared memory what it saw, and read the flag themselves once it is up (their
-// own acquire) or now and then (shared memory holds no promise at launch: a stale entry costs
-// time, never correctness). Any thread may call it, in any subset of a warp; where a whole warp
-// waits for one flag, one lane should (then __syncwarp: see wait_words).
+// The device-memory copy of one proxy flag: the value its poller last saw, and the poller's tag
+// (call and kind) so that one thread of the grid polls per call.
+struct HostWait {
+    uint64_t seen;
+    uint32_t tag;
+    uint32_t unused;
+};
+
+// wait_flag for the proxy's flags, which live in mapped host memory. Reads of host memory from
+// many SMs at once stall the GPU's copies and command processing while they wait (a 1 MiB
+// cudaMemcpy of the same context took 0.5-3.6 ms instead of 12-57 us with one polling thread per
+// block of a full grid; with one poller in the grid it ran at full speed): with shm those copies
+// are the transfer itself, and over tcp the send part's stores to host memory queue behind them.
+// So per call and flag the first thread of the grid to wait polls the host flag (sleeping 1 us
+// between reads) and copies what it saw into device memory (release); every other waiter polls
+// that copy (its own acquire). The tag holds the call, so a copy from an earlier call is never
+// taken for this one. Any thread may call it, in any subset of a warp; where a whole warp waits
+// for one flag, one lane should (then __syncwarp: see wait_words). Returns 0 on a timeout.
 __device__ __forceinline__ uint64_t wait_host_flag(const A2ACommon& c, const uint64_t* flag, uint32_t key,
                                                    uint32_t want, uint32_t kind) {
-    __shared__ unsigned long long s_seen[A2A_HOST_KEYS];
-    __shared__ uint32_t s_poller[A2A_HOST_KEYS];
-    uint64_t v = ld_acquire_sys(flag);
+    HostWait* hw = reinterpret_cast<HostWait*>(state_at(c, c.st_host_wait)) + key;
+    uint64_t v = ld_acquire_sys(&hw->seen);
     if (seq_reached(v, want)) return v;
-    volatile unsigned long long* seen = s_seen + key;
     const uint32_t tag = want * 4u + kind;
-    const uint32_t prev = *reinterpret_cast<volatile uint32_t*>(s_poller + key);
-    if (prev != tag && atomicCAS(s_poller + key, prev, tag) == prev) {
+    const uint32_t prev = *reinterpret_cast<volatile uint32_t*>(&hw->tag);
+    if (prev != tag && atomicCAS(&hw->tag, prev, tag) == prev) {
         v = wait_flag(c, flag, want, 1024);  // 0: timed out (the object is poisoned)
-        *seen = v;
+        if (v != 0) st_release_sys(&hw->seen, v);
         return v;
     }
     uint64_t start = 0;
     for (uint32_t spin = 1;; ++spin) {
         if ((spin & 63) == 0 && wait_expired(c, start)) return 0;
-        if (seq_reached(*seen, want) || (spin & 1023) == 0) {
-            v = ld_acquire_sys(flag);
-            if (seq_reached(v, want)) return v;
-        }
+        if (seq_reached(ld_relaxed_sys(&hw->seen), want)) return ld_acquire_sys(&hw->seen);
         __nanosleep(256);
     }
 }

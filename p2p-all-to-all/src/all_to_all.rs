@@ -447,6 +447,7 @@ impl AllToAll {
             st_rhdr: l.st_rhdr as u64,
             st_weights: l.st_weights as u64,
             st_last_dseq: l.st_last_dseq as u64,
+            st_host_wait: l.st_host_wait as u64,
             peers: peer_ptrs,
         });
         self.peers = peers;

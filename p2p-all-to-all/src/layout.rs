@@ -28,6 +28,10 @@ pub const HOST_SEQ_OFFSET: usize = 64;
 /// Error words in the host block.
 pub const NUM_ERROR_WORDS: usize = 8;
 
+/// Proxy flags a kernel may wait for (`A2A_HOST_KEYS` in the kernels): a count flag and a
+/// records flag per source in dispatch, a rows flag per rank in combine.
+pub const HOST_WAIT_KEYS: usize = 3 * crate::config::MAX_PEERS;
+
 /// Sequence counters per kernel kind and block (`A2A_MAX_GRID` in the kernels).
 pub const MAX_GRID: usize = 1024;
 /// Bytes of one combine chunk (the unit of combine's flags): 128 vectors of 16 bytes.
@@ -94,6 +98,9 @@ pub struct Layout {
     pub st_weights: usize,
     /// `last_dseq` u32: the last dispatch received.
     pub st_last_dseq: usize,
+    /// `host_wait[HOST_WAIT_KEYS]` (u64 seen, u32 tag, u32): device-memory mirrors of the proxy's
+    /// flags, one poller per grid (`wait_host_flag` in `kernels/a2a_common.cuh`).
+    pub st_host_wait: usize,
     /// Size of the pinned host block.
     pub host_bytes: usize,
 }
@@ -133,6 +140,7 @@ impl Layout {
         let st_rhdr = state.take(8 * w * t * k);
         let st_weights = state.take(4 * t * k);
         let st_last_dseq = state.take(4);
+        let st_host_wait = state.take(16 * HOST_WAIT_KEYS);
         let state_bytes = state.0;
         Layout {
             shared_bytes,
@@ -163,6 +171,7 @@ impl Layout {
             st_rhdr,
             st_weights,
             st_last_dseq,
+            st_host_wait,
             host_bytes: align(HOST_COUNTS_OFFSET + 4 * cfg.num_experts),
         }
     }
@@ -227,6 +236,7 @@ mod tests {
                 l.st_rhdr,
                 l.st_weights,
                 l.st_last_dseq,
+                l.st_host_wait,
                 l.state_bytes,
             ];
             assert!(states.windows(2).all(|p| p[0] < p[1]), "{states:?}");

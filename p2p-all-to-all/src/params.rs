@@ -69,10 +69,11 @@ pub struct Common {
     pub st_rhdr: u64,
     pub st_weights: u64,
     pub st_last_dseq: u64,
+    pub st_host_wait: u64,
     pub peers: [u64; MAX_PEERS],
 }
 
-const _: () = assert!(std::mem::size_of::<Common>() == (61 + MAX_PEERS) * 8);
+const _: () = assert!(std::mem::size_of::<Common>() == (62 + MAX_PEERS) * 8);
 
 /// `A2ADispatchSendArgs`.
 #[repr(C)]

@@ -146,8 +146,8 @@ class AllToAll:
             (:meth:`host_counts`; the hook of a future RDMA proxy).
         fused: run both halves of a call as one kernel when both are asked for (False: the two
             halves' kernels back to back, as with ``do_send`` / ``do_recv``). Default: fused when
-            every rank is over NVLink; with remote ranks the halves, because a fused kernel's
-            receiving warps slow the remote transfer down (docs/all_to_all_rdma.md).
+            every rank is over NVLink; with remote ranks the halves (measured a few percent
+            faster there, docs/all_to_all_rdma.md).
         nvlink: ranks per NVLink domain (consecutive ranks; divides the group size). Default: the
             group size (every rank over NVLink: no engine, no proxy). ``1``: every peer through
             the engine.
