@@ -80,9 +80,11 @@ def test_readme_example_runs(tmp_path: Path) -> None:
         assert out.returncode == 0, f"README block {i}:\n{block}\n{out.stderr}"
 
 
-# Words about the project's own working environment, which mean nothing to a user of a clone.
+# Words about the project's own working environment, which mean nothing to a user of a clone
+# (the project's issue tracker included).
 INTERNAL = re.compile(
-    r"these hosts|carry it|\$OUT\b|\.\./shared|REFERENCE\.md|our (GPU )?(machines|hosts)", re.I
+    r"these hosts|carry it|\$OUT\b|\.\./shared|REFERENCE\.md|our (GPU )?(machines|hosts)|\bissue #?\d+",
+    re.I,
 )
 PUBLIC_TEXT = [
     "README.md",
