@@ -316,8 +316,8 @@ __device__ __forceinline__ void combine_recv_items(const A2ACombineRecvArgs& a, 
             return d < c.world && !is_nvlink<R>(c, d) ? blk_u64(c, c.blk_crflag) + d
                                                       : ctf + ((uint64_t)d * c.max_tokens + t) * nch + ch;
         };
-        // Remote ranks' flags (host memory) once per warp and call, through the block's watcher
-        // (wait_host_flag); then the NVLink peers' words.
+        // Remote ranks' flags (host memory) once per warp and call, through wait_host_flag (one
+        // poller per grid); then the NVLink peers' words.
         const auto remote = [&](uint32_t d) {
             return d < c.world && ((mask >> d) & 1ull) && !is_nvlink<R>(c, d) && !((far_ready >> d) & 1ull);
         };

@@ -185,8 +185,8 @@ def sc_split_halves(layout: Layout, gen: Any) -> None:
 
 def sc_consecutive(layout: Layout, gen: Any) -> None:
     """300 calls back to back, varying sizes and routings, checked on the device (one sync). With
-    remote ranks a call's halves run as two kernels by default (a fused kernel slows the
-    transfer)."""
+    remote ranks a call's halves run as two kernels by default (measured a few percent faster
+    than the fused kernel there)."""
     a2a = new_a2a(layout, torch.float8_e4m3fn)
     assert a2a.fused is False, "remote ranks: the halves back to back by default"
     dev = a2a.device
