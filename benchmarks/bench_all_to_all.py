@@ -99,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "everything over RDMA)",
     )
     p.add_argument(
+        "--proxy",
+        choices=["worker", "thread"],
+        default="worker",
+        help="which thread runs each rank's proxy: the engine's worker (default) or one of its own "
+        "(AllToAll's proxy=)",
+    )
+    p.add_argument(
         "--tokens", type=int, nargs="+", default=[128], help="tokens per rank (several: one run each)"
     )
     p.add_argument("--hidden", type=int, default=7168, help="token width (elements)")
@@ -267,6 +274,7 @@ def remote_kwargs(args: argparse.Namespace, world: int) -> dict[str, Any]:
         "provider": args.provider,
         "private_tokens": args.private_tokens,
         "engine_options": engine_options(args),
+        "proxy": args.proxy,
     }
 
 
@@ -467,6 +475,7 @@ def bench_config(args: argparse.Namespace, T: int, dtype_name: str, rank: int, w
         "max_combine_error": max(errs),
         "latency_us": stats,
         "nvlink": args.nvlink,
+        "proxy_runner": args.proxy,
         "host_call_us": hosts,  # per rank: dispatch() / combine() on the host (app call -> enqueue)
         "proxy": proxies,  # per rank: the proxy's own costs (empty without remote ranks)
     }

@@ -21,7 +21,7 @@ echo "== Rust benchmarks, smoke runs (each checks what it moves)"
 bench_out=$(mktemp -d)
 cargo bench -q -p fabric-lib --bench submit_cost -- --calls 2000 --targets 1,8 --json-out "$bench_out/submit_cost.json"
 cargo bench -q -p fabric-lib --bench imm_wake -- --iters 2000 --rounds 1 --json-out "$bench_out/imm_wake.json"
-cargo bench -q -p p2p-all-to-all --bench proxy_costs -- --worlds 3 --calls 30 --json-out "$bench_out/proxy_costs.json"
+cargo bench -q -p p2p-all-to-all --bench proxy_costs -- --worlds 3 --calls 30 --runner worker,thread --posted --json-out "$bench_out/proxy_costs.json"
 rm -rf "$bench_out"
 echo "== pytest"
 "$PY" -m pytest -q -p no:cacheprovider tests "$@"

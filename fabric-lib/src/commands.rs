@@ -194,10 +194,33 @@ pub(crate) enum Command {
         max_message_size: u64,
         reply: Sender<Result<crate::epoch::Readmission>>,
     },
+    /// Polls `task` every round from now on (see `engine::tasks`).
+    AttachTask {
+        id: crate::engine::TaskId,
+        task: Box<dyn crate::engine::WorkerTask>,
+    },
+    /// Drops the task, then replies.
+    DetachTask {
+        id: crate::engine::TaskId,
+        reply: Sender<Result<()>>,
+    },
     Stop,
 }
 
 impl Command {
+    /// A request that moves data (what the latency probe's `Dequeued` and post log count).
+    pub(crate) fn is_request(&self) -> bool {
+        matches!(
+            self,
+            Command::Transfer(_)
+                | Command::Read(_)
+                | Command::SameHost(_)
+                | Command::Staged(_)
+                | Command::SameHostRead(_)
+                | Command::Send(_)
+        )
+    }
+
     /// Answers a command that will never run: replies with [`FabricError::Stopped`] and returns
     /// the request's completion, for the caller to report (the worker through its callback
     /// thread, the engine on its own thread once the worker is gone).
@@ -221,6 +244,10 @@ impl Command {
             Command::Landing { reply, .. } => {
                 let _ = reply.send(Err(FabricError::Stopped));
             }
+            Command::DetachTask { reply, .. } => {
+                let _ = reply.send(Err(FabricError::Stopped));
+            }
+            Command::AttachTask { .. } => {}
             Command::Arm(armed) => return armed.request.into_stopped(),
             Command::SetRecvCallback(_) | Command::Stop => {}
         }

@@ -80,6 +80,10 @@ pub struct PostRecord {
     pub seen_ns: u64,
     pub dequeued_ns: u64,
     pub posted_ns: u64,
+    /// Requests (writes, reads, messages) the worker took before this one since the log was
+    /// started: the n-th request of a single submitter is number n where nothing else submits
+    /// (a request whose post the provider pushed back is logged late, or under the next one).
+    pub command: u64,
 }
 
 /// The latest time of each stage (0: not seen since the probe was enabled), and optionally a
@@ -92,6 +96,8 @@ pub struct LatencyProbe {
     /// Records kept while `log_room` > 0 (it counts down).
     log: Mutex<Vec<PostRecord>>,
     log_room: AtomicU64,
+    /// Commands taken since the log was started (`PostRecord::command`).
+    dequeued: AtomicU64,
 }
 
 impl LatencyProbe {
@@ -115,6 +121,9 @@ impl LatencyProbe {
     #[inline]
     pub fn mark(&self, stage: Stage) {
         if self.enabled() {
+            if matches!(stage, Stage::Dequeued) {
+                self.dequeued.fetch_add(1, Ordering::Relaxed);
+            }
             self.marks[stage as usize].store(monotonic_ns(), Ordering::Release);
         }
     }
@@ -131,7 +140,8 @@ impl LatencyProbe {
                 if self.log_room.load(Ordering::Relaxed) > 0 {
                     self.log_room.fetch_sub(1, Ordering::Relaxed);
                     let seen = self.marks[Stage::ImmSeen as usize].load(Ordering::Acquire);
-                    self.log.lock().push(PostRecord { seen_ns: seen, dequeued_ns: dequeued, posted_ns: now });
+                    let command = self.dequeued.load(Ordering::Relaxed).saturating_sub(1);
+                    self.log.lock().push(PostRecord { seen_ns: seen, dequeued_ns: dequeued, posted_ns: now, command });
                 }
             }
         }
@@ -143,6 +153,7 @@ impl LatencyProbe {
     pub fn enable_post_log(&self, capacity: usize) {
         self.log.lock().clear();
         self.log_room.store(capacity as u64, Ordering::Relaxed);
+        self.dequeued.store(0, Ordering::Relaxed);
         self.enable(true);
     }
 
@@ -203,6 +214,7 @@ mod tests {
         assert_eq!(log.len(), 2, "{log:?}");
         assert_eq!(log[0].seen_ns, 0, "no immediate was seen before the first: {log:?}");
         assert!(log[0].dequeued_ns <= log[0].posted_ns && log[0].posted_ns < log[1].dequeued_ns, "{log:?}");
+        assert_eq!((log[0].command, log[1].command), (0, 1), "numbered in the order taken");
         assert!(p.take_post_log().is_empty());
         p.enable_post_log(1);
         p.mark(Stage::ImmSeen);

@@ -41,7 +41,9 @@ pub use completion::OnDone;
 pub use config::{EngineConfig, GpuRegistration, PollMode, WriteCompletion};
 pub use descriptor::{CudaIpc, DomainKey, MemoryKind, MrDescriptor};
 pub use encoding::ENCODING_VERSION;
-pub use engine::{DomainStats, MrHandle, PreparedScatter, RegisterOptions, TransferEngine, Trigger};
+pub use engine::{
+    DomainStats, MrHandle, PreparedScatter, RegisterOptions, TaskId, TransferEngine, Trigger, WorkerTask,
+};
 pub use epoch::Readmission;
 pub use error::{FabricError, Result};
 pub use gpu::{GpuFlag, SignalStream, UvmWatcher, WatcherCallback, WatcherRunsOn};

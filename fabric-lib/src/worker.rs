@@ -44,7 +44,10 @@ mod inbox;
 mod reads;
 mod request_table;
 mod staged;
+mod tasks;
 mod triggers;
+
+pub(crate) use tasks::{handle_inline, running_task_of};
 
 /// What the worker reports once its domains are open.
 pub(crate) struct WorkerInfo {
@@ -178,6 +181,7 @@ pub(crate) fn spawn(
     callbacks: CallbackQueue,
     probe: Arc<LatencyProbe>,
     peers: Arc<PeerTable>,
+    engine_id: u64,
 ) -> Result<Spawned> {
     let (tx, rx) = bounded::<Command>(config.queue_depth.max(1));
     let leftovers = rx.clone();
@@ -193,7 +197,7 @@ pub(crate) fn spawn(
                 }
             }
             let opened = bind_device(config.cuda_device).and_then(|cuda| {
-                let mut worker = Worker::open(&config, rx, imm, callbacks, probe, peers)?;
+                let mut worker = Worker::open(&config, rx, imm, callbacks, probe, peers, engine_id)?;
                 worker.cuda = cuda;
                 Ok(worker)
             });
@@ -327,6 +331,10 @@ struct Worker {
     known: Vec<Option<KnownPeer>>,
     /// A busy worker yields the CPU after this many consecutive empty polls.
     yield_every: u32,
+    /// The application's tasks polled every round (see `engine::tasks`), and the engine's id
+    /// (a task's requests to this engine are handled inline).
+    tasks: tasks::Tasks,
+    engine_id: u64,
 
     // Last: every registration above holds its domain alive and is closed before it.
     domains: Vec<DomainState>,
@@ -344,6 +352,7 @@ impl Worker {
         callbacks: CallbackQueue,
         probe: Arc<LatencyProbe>,
         peers: Arc<PeerTable>,
+        engine_id: u64,
     ) -> Result<Self> {
         let domains = config
             .provider
@@ -407,6 +416,8 @@ impl Worker {
             peers,
             known: Vec::new(),
             yield_every: if crate::spin::spare_cores() { 64 } else { 1 },
+            tasks: tasks::Tasks::default(),
+            engine_id,
             domains,
             cuda: None,
         })
@@ -422,7 +433,6 @@ impl Worker {
             for _ in 0..64 {
                 match self.rx.try_recv() {
                     Ok(cmd) => {
-                        self.probe.mark(Stage::Dequeued);
                         active = true;
                         if !self.handle(cmd) {
                             return;
@@ -433,6 +443,13 @@ impl Worker {
                 }
             }
             active |= self.progress();
+            if !self.tasks.is_empty() {
+                // After progress: a task sees the arrivals of this round at once.
+                active |= self.run_tasks();
+                if self.tasks.stop {
+                    return;
+                }
+            }
             iterations = iterations.wrapping_add(1);
             if iterations.is_multiple_of(256) || !active {
                 self.expire_requests();
@@ -451,7 +468,6 @@ impl Worker {
                 PollMode::Adaptive { spin, park } if !busy && last_active.elapsed() > spin => {
                     match self.rx.recv_timeout(park) {
                         Ok(cmd) => {
-                            self.probe.mark(Stage::Dequeued);
                             last_active = Instant::now();
                             if !self.handle(cmd) {
                                 return;
@@ -476,6 +492,9 @@ impl Worker {
 
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
+        if cmd.is_request() {
+            self.probe.mark(Stage::Dequeued);
+        }
         match cmd {
             Command::Register { region, ptr, len, kind, network, remote_read, gpu_registration, reply } => {
                 let access = if remote_read { Access::RemoteReadWrite } else { Access::RemoteWrite };
@@ -542,6 +561,8 @@ impl Worker {
                 }
             }
             Command::Readmit { peer, max_message_size, reply } => self.start_readmit(peer, max_message_size, reply),
+            Command::AttachTask { id, task } => self.attach_task(id, task),
+            Command::DetachTask { id, reply } => self.detach_task(id, reply),
             Command::Stop => return false,
         }
         true

@@ -4,13 +4,16 @@
 //! each world size it reports, over every rank and call (the first tenth left out as warm-up):
 //!
 //! - kernel signal → first write handed to the engine, for the count messages (`dseq`), the
-//!   dispatch data (`ddone`) and the combine (`cdone`): the proxy noticing the word included;
-//! - with `--posted`, kernel signal → first write posted: until the engine's worker returned
-//!   from the provider's post of that request's first write (each engine logs its commands'
-//!   first posts, `LatencyProbe::enable_post_log`; the probe's clock reads are then included),
-//!   and for the combine where that time goes: the proxy's call → the worker took the request,
-//!   the worker took it → the first write's post returned;
-//! - time spent posting per remote rank (the private dispatch writes, the combine writes);
+//!   dispatch data (`ddone`) and the combine (`cdone`): the proxy noticing the word included
+//!   (with the proxy on the engine's worker, handing over is posting);
+//! - with `--posted`, kernel signal → first write posted and the proxy's call into the engine
+//!   (the app call) → first write posted: until the engine's worker returned from the
+//!   provider's post of that request's first write (each engine logs its requests' first
+//!   posts, `LatencyProbe::enable_post_log`; the probe's clock reads are then included), and
+//!   for the combine where that time goes: the call → the worker took the request, the worker
+//!   took it → the first write's post returned;
+//! - time the proxy spent posting per remote rank (the private dispatch writes, the combine
+//!   writes): handing over, or with the proxy on the worker the posts themselves;
 //! - writes per remote rank per call (dispatch data, combine) and count messages per call;
 //! - a dispatch from counts seen to every remote source's flag raised.
 //!
@@ -19,7 +22,14 @@
 //!
 //!     cargo bench -p p2p-all-to-all --bench proxy_costs -- [--provider tcp] [--worlds 2,4,8]
 //!         [--calls 300] [--proxy-cpus 2,3,4,5] [--poll adaptive|busy] [--posted]
-//!         [--eager 0,1] [--measured-cpus 2,3,4] [--json-out proxy_costs.json]
+//!         [--eager 0,1] [--runner worker,thread] [--rounds 3] [--measured-cpus 2,3,4]
+//!         [--json-out proxy_costs.json]
+//!
+//! `--runner` names where each rank's proxy runs: `worker` (the default, on the engine's worker
+//! thread, `ProxyRunner::EngineWorker`) or `thread` (a thread of its own handing its posts to
+//! the worker, `ProxyRunner::OwnThread`). With several runners or `--rounds`, every world runs
+//! once per runner per round, alternating, and a last table gives each metric's median p50
+//! over the rounds per runner, and its ratio to the first runner's.
 //!
 //! `--eager` runs each world once per value of `ProxyConfig::eager_targets` (a scatter to more
 //! targets hands its first ones to the engine as a request of their own). `--measured-cpus K,P,W`
@@ -56,8 +66,19 @@ struct Args {
     poll: &'static str,
     posted: bool,
     eager: Vec<usize>,
+    /// Where proxies run: true for their own thread.
+    runners: Vec<bool>,
+    rounds: usize,
     measured_cpus: Option<[usize; 3]>,
     json_out: Option<String>,
+}
+
+fn runner_name(own_thread: bool) -> &'static str {
+    if own_thread {
+        "thread"
+    } else {
+        "worker"
+    }
 }
 
 fn list(value: &str, flag: &str) -> Vec<usize> {
@@ -74,6 +95,8 @@ fn parse_args() -> Args {
         poll: "adaptive",
         posted: false,
         eager: vec![p2p_all_to_all::proxy::EAGER_TARGETS],
+        runners: vec![false],
+        rounds: 1,
         measured_cpus: None,
         json_out: None,
     };
@@ -101,6 +124,17 @@ fn parse_args() -> Args {
                 }
             }
             "--eager" => args.eager = list(&value, "--eager"),
+            "--runner" => {
+                args.runners = value
+                    .split(',')
+                    .map(|r| match r.trim() {
+                        "worker" => false,
+                        "thread" => true,
+                        _ => panic!("--runner: worker and/or thread"),
+                    })
+                    .collect()
+            }
+            "--rounds" => args.rounds = value.parse().expect("--rounds: a number"),
             "--measured-cpus" => {
                 let cpus = list(&value, "--measured-cpus");
                 let [k, p, w] = cpus[..] else { panic!("--measured-cpus: three CPUs (kernels, proxy, worker)") };
@@ -109,7 +143,7 @@ fn parse_args() -> Args {
             "--json-out" => args.json_out = Some(value),
             other => panic!(
                 "unknown flag {other} (--provider, --worlds, --calls, --private-tokens, --proxy-cpus, --poll, \
-                 --posted, --eager, --measured-cpus, --json-out)"
+                 --posted, --eager, --runner, --rounds, --measured-cpus, --json-out)"
             ),
         }
     }
@@ -153,15 +187,20 @@ impl Clock {
     }
 
     /// A request's way through the engine, in µs: the kernel's `signal` → its first post
-    /// returned, the call's start → the worker took it, the worker took it → the first post
-    /// returned. The request is the first command the worker took after the call started (the
-    /// proxy's: nothing else posts on its engine).
-    fn through_engine(&self, log: &[PostRecord], signal: Instant, first: Option<FirstWrite>) -> [Option<f64>; 3] {
-        let Some(first) = first else { return [None; 3] };
+    /// returned, the proxy's call → that post returned, the call → the worker took it, the
+    /// worker took it → the post returned. The request is found by its number
+    /// (`FirstWrite::request`): nothing else posts on the proxy's engine, and the worker takes
+    /// requests in order.
+    fn through_engine(&self, log: &[PostRecord], signal: Instant, first: Option<FirstWrite>) -> [Option<f64>; 4] {
+        let Some(first) = first else { return [None; 4] };
         let call = self.ns(first.call);
-        let Some(record) = log.get(log.partition_point(|r| r.dequeued_ns < call)) else { return [None; 3] };
+        let at = log.partition_point(|r| r.command < first.request);
+        let Some(record) = log.get(at).filter(|r| r.command == first.request && r.dequeued_ns >= call) else {
+            return [None; 4]; // no post logged for it (pushed back by the provider, retried later)
+        };
         let us = |from: u64, to: u64| Some(to.saturating_sub(from) as f64 / 1000.0);
-        [us(self.ns(signal), record.posted_ns), us(call, record.dequeued_ns), us(record.dequeued_ns, record.posted_ns)]
+        let posted = record.posted_ns;
+        [us(self.ns(signal), posted), us(call, posted), us(call, record.dequeued_ns), us(record.dequeued_ns, posted)]
     }
 }
 
@@ -181,27 +220,45 @@ fn main() {
     println!("{:<52} {:>9} {:>9} {:>8}", "", "p50", "p99", "samples");
     let clock = Clock::new();
     let mut worlds_json = Vec::new();
-    for &world in &args.worlds {
-        for &eager in &args.eager {
-            match measure(&args, world, eager, &clock) {
-                Some(json) => worlds_json.push(json),
-                None => {
-                    println!("provider {} is not available here", args.provider);
-                    return;
+    // (world, eager, runner) → per metric, its p50 of each round.
+    let mut rounds: Vec<Round> = Vec::new();
+    for round in 0..args.rounds {
+        for &world in &args.worlds {
+            for &eager in &args.eager {
+                for &own_thread in &args.runners {
+                    let Some((json, metrics)) = measure(&args, world, eager, own_thread, round, &clock) else {
+                        println!("provider {} is not available here", args.provider);
+                        return;
+                    };
+                    worlds_json.push(json);
+                    let key = (world, eager, own_thread);
+                    let at = match rounds.iter().position(|(k, _)| *k == key) {
+                        Some(i) => i,
+                        None => {
+                            rounds.push((key, metrics.iter().map(|(name, _)| (*name, Vec::new())).collect()));
+                            rounds.len() - 1
+                        }
+                    };
+                    for ((_, p50s), (_, p50)) in rounds[at].1.iter_mut().zip(&metrics) {
+                        p50s.push(*p50);
+                    }
                 }
             }
         }
     }
+    let comparison = compare(&args, &rounds);
     if let Some(path) = &args.json_out {
         let json = format!(
             "{{\"provider\": \"{}\", \"poll\": \"{}\", \"calls\": {}, \"private_tokens\": {}, \
-             \"measured_cpus\": {}, \"worlds\": [{}]}}\n",
+             \"measured_cpus\": {}, \"rounds\": {}, \"runs\": [{}], \"medians\": [{}]}}\n",
             args.provider,
             args.poll,
             args.calls,
             args.private_tokens,
             args.measured_cpus.map_or("null".to_string(), |c| format!("{c:?}")),
-            worlds_json.join(", ")
+            args.rounds,
+            worlds_json.join(", "),
+            comparison.join(", ")
         );
         // cargo bench runs a bench in its crate's folder: relative paths start there.
         let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
@@ -210,9 +267,57 @@ fn main() {
     }
 }
 
-/// Runs one world size with one `eager_targets`, prints its metrics and returns them as JSON
-/// (None: the provider is missing).
-fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<String> {
+fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// With several runners or rounds: per world and metric, each runner's median p50 over the
+/// rounds and its ratio to the first runner's; printed, and returned as JSON rows.
+fn compare(args: &Args, rounds: &[Round]) -> Vec<String> {
+    if args.runners.len() < 2 && args.rounds < 2 {
+        return Vec::new();
+    }
+    let base = args.runners[0];
+    println!("median p50 over {} rounds; ratio: to the {} runner", args.rounds, runner_name(base));
+    let mut rows = Vec::new();
+    for ((world, eager, own_thread), metrics) in rounds {
+        let first = rounds.iter().find(|((w, e, o), _)| w == world && e == eager && *o == base).map(|(_, m)| m);
+        println!("world {world}, eager targets {eager}, proxy on {}", runner_name(*own_thread));
+        for (i, (name, p50s)) in metrics.iter().enumerate() {
+            let m = median(p50s);
+            let ratio = first.map_or(f64::NAN, |f| m / median(&f[i].1));
+            println!("  {name:<50} {m:>9.3} {ratio:>8.2}x");
+            rows.push(format!(
+                "{{\"world\": {world}, \"eager_targets\": {eager}, \"runner\": \"{}\", \"metric\": \"{name}\", \
+                 \"median_p50\": {m:.4}, \"ratio\": {ratio:.4}, \"p50s\": {p50s:?}}}",
+                runner_name(*own_thread)
+            ));
+        }
+    }
+    rows
+}
+
+/// Per (world, eager targets, own thread): per metric, its p50 in each round.
+type Round = ((usize, usize, bool), Vec<(&'static str, Vec<f64>)>);
+
+/// Per metric, its p50 in one run.
+type Metrics = Vec<(&'static str, f64)>;
+
+/// Runs one world size with one `eager_targets` and proxy runner, prints its metrics and
+/// returns them, also as JSON (None: the provider is missing).
+fn measure(
+    args: &Args,
+    world: usize,
+    eager: usize,
+    own_thread: bool,
+    round: usize,
+    clock: &Clock,
+) -> Option<(String, Metrics)> {
     let provider: &'static str = Box::leak(args.provider.clone().into_boxed_str());
     let sc = Scenario {
         provider,
@@ -225,7 +330,8 @@ fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<Str
         fence: false,
         scatter: true,
         proxy_cpus: args.proxy_cpus.as_ref().map(|c| (0..world).map(|r| c[r % c.len()]).collect()),
-        // As the all-to-all runs it: the proxy spins through the gaps between calls.
+        own_thread,
+        // As the all-to-all ran it: the proxy spins through the gaps between calls.
         proxy_idle_spin: Some(Duration::from_millis(50)),
         busy_workers: args.poll == "busy",
         eager_targets: eager,
@@ -249,6 +355,9 @@ fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<Str
             "counts: signal -> first write posted (µs)",
             "dispatch data: signal -> first write posted (µs)",
             "combine: signal -> first write posted (µs)",
+            "counts: call -> first write posted (µs)",
+            "dispatch data: call -> first write posted (µs)",
+            "combine: call -> first write posted (µs)",
             "combine: call -> worker took it (µs)",
             "combine: worker took it -> first write posted (µs)",
         ]);
@@ -272,23 +381,35 @@ fn measure(args: &Args, world: usize, eager: usize, clock: &Clock) -> Option<Str
                 Some(d.total_ns as f64 / 1000.0),
                 Some(f64::from(d.data_writes) / remote),
                 Some(f64::from(c.writes) / f64::from(c.remote_peers.max(1))),
-                clock.through_engine(log, raised.dseq, d.counts_first_write)[0],
-                clock.through_engine(log, raised.ddone, d.data_first_write)[0],
             ];
-            // The combine's all three: posted, call → worker took it, → first post.
-            let values = values.into_iter().chain(clock.through_engine(log, raised.cdone, c.first_write));
+            let counts = clock.through_engine(log, raised.dseq, d.counts_first_write);
+            let data = clock.through_engine(log, raised.ddone, d.data_first_write);
+            let combine = clock.through_engine(log, raised.cdone, c.first_write);
+            let posted = [counts[0], data[0], combine[0], counts[1], data[1], combine[1], combine[2], combine[3]];
+            let values = values.into_iter().chain(posted);
             for ((_, column), v) in metrics.iter_mut().zip(values) {
                 column.extend(v);
             }
         }
     }
     let whose = if args.measured_cpus.is_some() { "rank 0" } else { "all ranks" };
-    println!("world {world} ({} remote ranks each), eager targets {eager}, {whose}", world - 1);
+    let runner = runner_name(own_thread);
+    println!(
+        "world {world} ({} remote ranks each), eager targets {eager}, proxy on {runner}, round {round}, {whose}",
+        world - 1
+    );
     let mut rows = Vec::new();
+    let mut p50s = Vec::new();
     for (name, values) in metrics {
         let (p50, p99, n) = summary(values);
         println!("  {name:<50} {p50:>9.3} {p99:>9.3} {n:>8}");
         rows.push(format!("{{\"metric\": \"{name}\", \"p50\": {p50:.4}, \"p99\": {p99:.4}, \"samples\": {n}}}"));
+        p50s.push((name, p50));
     }
-    Some(format!("{{\"world\": {world}, \"eager_targets\": {eager}, \"metrics\": [{}]}}", rows.join(", ")))
+    let json = format!(
+        "{{\"world\": {world}, \"eager_targets\": {eager}, \"runner\": \"{runner}\", \"round\": {round}, \
+         \"metrics\": [{}]}}",
+        rows.join(", ")
+    );
+    Some((json, p50s))
 }

@@ -1,6 +1,9 @@
 //! The CPU proxy: one thread per rank that carries the all-to-all's traffic to remote ranks
 //! (other NVLink domains) through this rank's [`TransferEngine`], following the kernels'
 //! sequence numbers in the proxy block (not the host's calls, so CUDA graph replays work).
+//! By default that thread is the engine's worker ([`ProxyRunner::EngineWorker`]): the proxy
+//! polls between the worker's rounds and the thread that sees a kernel's signal posts its
+//! writes itself, with no hand-off to another thread.
 //!
 //! Dispatch call `n` (parity `p`):
 //! 1. The send kernel publishes its counts and raises `dseq = n` before it copies any token: the
@@ -30,8 +33,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fabric_lib::{
-    CompletionCounter, DomainChoice, MrDescriptor, MrHandle, PreparedScatter, ScatterSharding, ScatterSlice,
-    TransferEngine, WriteRequest,
+    CompletionCounter, DomainChoice, MrDescriptor, MrHandle, PreparedScatter, ScatterSharding, ScatterSlice, TaskId,
+    TransferEngine, WorkerTask, WriteRequest,
 };
 use parking_lot::Mutex;
 
@@ -67,16 +70,25 @@ unsafe impl Send for LocalRegions {}
 /// [`ProxyConfig::placement_fence`]).
 pub type PlacementFence = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
+/// Which thread runs the proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyRunner {
+    /// The engine's worker, once per round of its loop (`TransferEngine::attach_task`): writes
+    /// are posted by the thread that saw the kernel's signal, before it polls anything else.
+    /// The worker's `EngineConfig::worker_cpu` pins it, its `poll_mode` decides how it idles.
+    EngineWorker,
+    /// A thread of its own, pinned to `cpu`, that hands each post to the worker through the
+    /// engine's command queue; after `idle_spin` without work it sleeps 20 µs between polls.
+    OwnThread { cpu: Option<usize>, idle_spin: Duration },
+}
+
 /// What the proxy is for.
 #[derive(Clone)]
 pub struct ProxyConfig {
     pub rank: usize,
     pub topo: Topology,
     pub layout: RemoteLayout,
-    /// CPU to pin the thread to.
-    pub cpu: Option<usize>,
-    /// After this long without work the thread sleeps briefly between polls.
-    pub idle_spin: Duration,
+    pub runner: ProxyRunner,
     /// Post the private writes of a dispatch, and a combine's writes, as one scatter (one
     /// request for every remote rank) rather than one write each.
     pub scatter_data: bool,
@@ -96,7 +108,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("rank", &self.rank)
             .field("topo", &self.topo)
             .field("layout", &self.layout)
-            .field("cpu", &self.cpu)
+            .field("runner", &self.runner)
             .field("scatter_data", &self.scatter_data)
             .field("placement_fence", &self.placement_fence.is_some())
             .field("eager_targets", &self.eager_targets)
@@ -156,6 +168,8 @@ const MAX_SAMPLES: usize = 1 << 14;
 #[derive(Default)]
 struct Shared {
     stop: AtomicBool,
+    /// `error` holds something (read every pass, without the lock).
+    failed: AtomicBool,
     error: Mutex<Option<String>>,
     dispatch: Mutex<Vec<DispatchSample>>,
     combine: Mutex<Vec<CombineSample>>,
@@ -163,16 +177,22 @@ struct Shared {
     combine_done: AtomicU64,
 }
 
-/// The running proxy thread; stopped and joined on drop.
+/// Where a started proxy runs.
+enum Running {
+    Task(TaskId),
+    Thread(JoinHandle<()>),
+}
+
+/// The running proxy; stopped on drop (its task detached, or its thread joined).
 pub struct Proxy {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    running: Option<Running>,
     engine: Arc<TransferEngine>,
 }
 
 impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Proxy").field("running", &self.thread.is_some()).finish()
+        f.debug_struct("Proxy").field("running", &self.running.is_some()).finish()
     }
 }
 
@@ -188,12 +208,18 @@ impl Proxy {
             return Err(crate::error::invalid!("{} peer regions for a world of {}", peers.len(), cfg.topo.world));
         }
         let shared = Arc::new(Shared::default());
+        let runner = cfg.runner;
         let state = State::new(engine.clone(), cfg, local, peers, shared.clone())?;
-        let thread = std::thread::Builder::new()
-            .name("a2a-proxy".into())
-            .spawn(move || state.run())
-            .map_err(|e| crate::error::invalid!("spawning the proxy thread: {e}"))?;
-        Ok(Proxy { shared, thread: Some(thread), engine })
+        let running = match runner {
+            ProxyRunner::EngineWorker => Running::Task(engine.attach_task(Box::new(state))?),
+            ProxyRunner::OwnThread { cpu, idle_spin } => Running::Thread(
+                std::thread::Builder::new()
+                    .name("a2a-proxy".into())
+                    .spawn(move || state.run(cpu, idle_spin))
+                    .map_err(|e| crate::error::invalid!("spawning the proxy thread: {e}"))?,
+            ),
+        };
+        Ok(Proxy { shared, running: Some(running), engine })
     }
 
     /// The engine the proxy posts on.
@@ -216,11 +242,21 @@ impl Proxy {
         (std::mem::take(&mut *self.shared.dispatch.lock()), std::mem::take(&mut *self.shared.combine.lock()))
     }
 
-    /// Stops and joins the thread (also done on drop).
+    /// Stops the proxy (also done on drop): returns once its task was detached (bounded by the
+    /// engine's command timeout) or its thread joined.
     pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        match self.running.take() {
+            // Fails only where the engine stopped, which dropped the task already.
+            Some(Running::Task(id)) => {
+                if let Err(e) = self.engine.detach_task(id) {
+                    tracing::debug!("all-to-all proxy: detaching its task: {e}");
+                }
+            }
+            Some(Running::Thread(t)) => {
+                let _ = t.join();
+            }
+            None => {}
         }
     }
 }
@@ -280,20 +316,30 @@ struct State {
     /// A call's targets, and their slices for the engine (kept: nothing allocated per call).
     targets: Vec<(usize, usize, usize, usize)>,
     slices: std::cell::RefCell<Vec<ScatterSlice>>,
-    /// Whether this pass of the loop looks for arrivals (see `run`).
+    /// Whether this pass looks for arrivals (see `poll`).
     poll_arrivals: bool,
     /// The engine's arrivals generation when arrivals were last looked for.
     polled_generation: u64,
+    /// Whether the last pass changed anything.
+    progressed: bool,
+    /// Write failures already reported.
+    failed_seen: u64,
+    /// Requests submitted to the engine so far (`FirstWrite::request`).
+    submitted: std::cell::Cell<u64>,
 }
 
 /// The call that handed a post's first targets to the engine.
 #[derive(Debug, Clone, Copy)]
 pub struct FirstWrite {
-    /// When it started (its request is the first one the engine's worker takes after this: how
-    /// it is found in the engine's post log, `LatencyProbe::enable_post_log`).
+    /// When it started.
     pub call: Instant,
-    /// When it returned: the write was handed to the engine.
+    /// When it returned: the write was handed to the engine (on the engine's worker,
+    /// `ProxyRunner::EngineWorker`: posted, unless the provider pushed it back).
     pub handed: Instant,
+    /// Requests this proxy had submitted to its engine before this one: where the request is
+    /// in the engine's post log (`LatencyProbe::enable_post_log`) when nothing else posts on
+    /// the engine and no post was pushed back.
+    pub request: u64,
 }
 
 /// Which of the proxy's scatters a post belongs to.
@@ -403,6 +449,9 @@ impl State {
             slices: std::cell::RefCell::new(Vec::with_capacity(w)),
             poll_arrivals: true,
             polled_generation: u64::MAX,
+            progressed: true,
+            failed_seen: 0,
+            submitted: std::cell::Cell::new(0),
             cfg,
         })
     }
@@ -433,41 +482,47 @@ impl State {
     fn fail(&self, what: String) {
         tracing::error!("all-to-all proxy of rank {}: {what}", self.cfg.rank);
         self.shared.error.lock().get_or_insert(what);
+        self.shared.failed.store(true, Ordering::Release);
         self.u64_at(self.block.error).store(1, Ordering::Release);
     }
 
-    fn run(mut self) {
-        if let Some(cpu) = self.cfg.cpu {
+    /// One pass over the calls in progress; true if it changed anything.
+    fn pass(&mut self) -> bool {
+        // A pass that follows one which changed nothing, with no arrivals counted since, would
+        // take nothing either: it skips the counter table (and its lock) entirely.
+        let generation = self.engine.imm_arrivals_generation();
+        self.poll_arrivals = self.progressed || generation != self.polled_generation;
+        if self.poll_arrivals {
+            self.polled_generation = generation;
+        }
+        let mut progressed = false;
+        if !self.shared.failed.load(Ordering::Acquire) {
+            // Combine first: its `cdone` names the dispatch whose counts it uses.
+            progressed |= self.combine_step();
+            progressed |= self.dispatch_step();
+        }
+        let failed = self.writes.failed();
+        if failed != self.failed_seen {
+            self.failed_seen = failed;
+            let e = self.writes.first_error().map(|e| e.to_string()).unwrap_or_default();
+            self.fail(format!("a write to a remote rank failed: {e}"));
+        }
+        self.progressed = progressed;
+        progressed
+    }
+
+    /// The loop of `ProxyRunner::OwnThread`.
+    fn run(mut self, cpu: Option<usize>, idle_spin: Duration) {
+        if let Some(cpu) = cpu {
             if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
                 tracing::warn!("all-to-all proxy: could not pin to CPU {cpu}");
             }
         }
         let mut last_work = Instant::now();
-        let mut failed_seen = 0;
-        let mut progressed = true;
         while !self.shared.stop.load(Ordering::Acquire) {
-            // A pass that follows one which changed nothing, with no arrivals counted since,
-            // would take nothing either: it skips the counter table (and its lock) entirely.
-            let generation = self.engine.imm_arrivals_generation();
-            self.poll_arrivals = progressed || generation != self.polled_generation;
-            if self.poll_arrivals {
-                self.polled_generation = generation;
-            }
-            progressed = false;
-            if self.shared.error.lock().is_none() {
-                // Combine first: its `cdone` names the dispatch whose counts it uses.
-                progressed |= self.combine_step();
-                progressed |= self.dispatch_step();
-            }
-            let failed = self.writes.failed();
-            if failed != failed_seen {
-                failed_seen = failed;
-                let e = self.writes.first_error().map(|e| e.to_string()).unwrap_or_default();
-                self.fail(format!("a write to a remote rank failed: {e}"));
-            }
-            if progressed {
+            if self.pass() {
                 last_work = Instant::now();
-            } else if last_work.elapsed() > self.cfg.idle_spin {
+            } else if last_work.elapsed() > idle_spin {
                 std::thread::sleep(Duration::from_micros(20));
             } else {
                 std::hint::spin_loop();
@@ -501,6 +556,7 @@ impl State {
             imm: Some(imm),
             domains: DomainChoice::Shard(self.engine.num_domains()),
         };
+        self.submitted.set(self.submitted.get() + 1);
         if let Err(e) = self.engine.submit_write_counted(&req, &self.writes) {
             self.fail(format!("posting a write of {len} bytes: {e}"));
         }
@@ -533,6 +589,7 @@ impl State {
         let eager = self.cfg.eager_targets;
         let head = if eager > 0 && slices.len() > eager { eager } else { slices.len() };
         let submit = |part: &[ScatterSlice]| {
+            self.submitted.set(self.submitted.get() + 1);
             let sharding = ScatterSharding::ByBytes;
             if let Err(e) =
                 self.engine.submit_prepared_scatter_counted(prepared, part, Some(imm), sharding, &self.writes)
@@ -540,13 +597,13 @@ impl State {
                 self.fail(format!("posting a scatter to {} ranks: {e}", part.len()));
             }
         };
-        let call = Instant::now();
+        let (call, request) = (Instant::now(), self.submitted.get());
         submit(&slices[..head]);
         let handed = Instant::now();
         if head < slices.len() {
             submit(&slices[head..]);
         }
-        Some(FirstWrite { call, handed })
+        Some(FirstWrite { call, handed, request })
     }
 
     /// Posts `(rank, src_offset, len, dst_offset)` per target of `set`, each target's receiver
@@ -561,19 +618,20 @@ impl State {
         let (src, pick) = set.regions(&self.local);
         for &(rank, src_offset, len, dst_offset) in targets {
             let dst = pick(&self.peers[rank]);
-            let call = Instant::now();
+            let (call, request) = (Instant::now(), self.submitted.get());
             if len > 0 {
                 self.write(src, src_offset, len, dst, dst_offset, imm);
             } else {
                 self.imm_only(imm, dst);
             }
-            first.get_or_insert_with(|| FirstWrite { call, handed: Instant::now() });
+            first.get_or_insert_with(|| FirstWrite { call, handed: Instant::now(), request });
         }
         first
     }
 
     fn imm_only(&self, imm: u32, dst: &MrDescriptor) {
         let counter = self.writes.clone();
+        self.submitted.set(self.submitted.get() + 1);
         if let Err(e) = self.engine.submit_imm(imm, dst, counter.on_done()) {
             self.fail(format!("posting an immediate: {e}"));
         }
@@ -814,6 +872,22 @@ impl State {
             return true;
         }
         progressed
+    }
+}
+
+impl WorkerTask for State {
+    fn poll(&mut self) -> bool {
+        self.pass()
+    }
+}
+
+impl Drop for State {
+    /// Dropped without being stopped: the engine stopped (and its worker dropped the task) or
+    /// the task panicked. The kernels' waits then end with the block's error word.
+    fn drop(&mut self) {
+        if !self.shared.stop.load(Ordering::Acquire) {
+            self.fail("the proxy stopped: its engine stopped, or it failed (see the log)".into());
+        }
     }
 }
 

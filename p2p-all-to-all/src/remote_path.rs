@@ -11,7 +11,9 @@ use fabric_lib::{
 };
 
 use crate::error::{invalid, Result};
-use crate::proxy::{CombineSample, DispatchSample, LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig};
+use crate::proxy::{
+    CombineSample, DispatchSample, LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig, ProxyRunner,
+};
 use crate::proxy_block::BlockLayout;
 use crate::remote::{RemoteLayout, Topology};
 
@@ -27,8 +29,13 @@ pub struct RemoteOptions {
     /// The engine's provider, domains (NICs: `nets_per_gpu` of them), polling and timeouts.
     /// `force_network` is always set: remote ranks are reached as on another host.
     pub engine: EngineConfig,
-    /// CPU to pin the proxy thread to (one near the GPU).
+    /// CPU to pin the proxy's thread to (one near the GPU): the engine's worker, which runs the
+    /// proxy (`engine.worker_cpu`, where set, wins), or with `own_thread` the proxy's own.
     pub proxy_cpu: Option<usize>,
+    /// The proxy on a thread of its own that hands its writes to the engine's worker
+    /// (`ProxyRunner::OwnThread`) instead of on the worker itself: one more spinning thread
+    /// per rank, and a hand-off before every post.
+    pub own_thread: bool,
 }
 
 /// Memory of one remote-traffic buffer.
@@ -75,6 +82,10 @@ impl Buffer {
 
 const REGIONS_MAGIC: &[u8; 4] = b"A2AR";
 
+/// How long a proxy on a thread of its own spins after its last work before it sleeps 20 µs
+/// between polls: through the gaps between an inference step's calls.
+const OWN_THREAD_IDLE_SPIN: Duration = Duration::from_millis(50);
+
 /// Bytes of each warm-up write (see [`RemotePath::warm_up`]).
 const WARM_UP_BYTES: usize = 64;
 
@@ -84,7 +95,7 @@ pub struct RemotePath {
     pub layout: RemoteLayout,
     pub block: BlockLayout,
     rank: usize,
-    proxy_cpu: Option<usize>,
+    runner: ProxyRunner,
     placement_fence: Option<PlacementFence>,
     // Dropped in this order: the proxy (joins its thread), the engine, then the memory.
     proxy: Option<Proxy>,
@@ -125,8 +136,20 @@ impl RemotePath {
     ) -> Result<Self> {
         // The rank's GPU: the provider's CUDA work (shm's device copies) runs there.
         let cuda_device = opts.engine.cuda_device.or(Some(device as u32));
-        let engine =
-            Arc::new(TransferEngine::new(EngineConfig { force_network: true, cuda_device, ..opts.engine.clone() })?);
+        // Where the worker runs the proxy (`ProxyRunner::EngineWorker`) it is the proxy's thread.
+        let worker_cpu =
+            if opts.own_thread { opts.engine.worker_cpu } else { opts.engine.worker_cpu.or(opts.proxy_cpu) };
+        let runner = if opts.own_thread {
+            ProxyRunner::OwnThread { cpu: opts.proxy_cpu, idle_spin: OWN_THREAD_IDLE_SPIN }
+        } else {
+            ProxyRunner::EngineWorker
+        };
+        let engine = Arc::new(TransferEngine::new(EngineConfig {
+            force_network: true,
+            cuda_device,
+            worker_cpu,
+            ..opts.engine.clone()
+        })?);
         let gpu = engine.gpu_network();
         let block = BlockLayout::new(&layout);
         let block_buf = PinnedHostBuffer::new(ctx, block.bytes)?;
@@ -157,7 +180,7 @@ impl RemotePath {
             layout,
             block,
             rank,
-            proxy_cpu: opts.proxy_cpu,
+            runner,
             placement_fence,
             proxy: None,
             engine,
@@ -218,8 +241,7 @@ impl RemotePath {
             rank: self.rank,
             topo: self.topo,
             layout: self.layout,
-            cpu: self.proxy_cpu,
-            idle_spin: Duration::from_millis(50),
+            runner: self.runner,
             scatter_data: true,
             placement_fence: self.placement_fence.clone(),
             eager_targets: crate::proxy::EAGER_TARGETS,

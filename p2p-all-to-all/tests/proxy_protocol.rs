@@ -1,5 +1,6 @@
 //! The proxy's protocol end to end on the CPU (see `host_ranks`): each rank's proxy on a real
-//! engine (tcp, and udp;ofi_rxd, which delivers out of order).
+//! engine (tcp, and udp;ofi_rxd, which delivers out of order), run by the engine's worker
+//! unless a scenario says otherwise.
 mod host_ranks;
 
 use std::time::Instant;
@@ -27,9 +28,11 @@ fn everything_remote_over_tcp_with_overflow() {
 #[test]
 fn mixed_domains_and_skew_over_tcp() {
     // Two domains of two: each rank has one NVLink peer (counts only) and two remote ranks;
-    // skewed routing sends every token to ranks 0 and 1 only.
-    for skew in [false, true] {
+    // skewed routing sends every token to ranks 0 and 1 only. The proxy on the engine's worker
+    // (the default) and on a thread of its own.
+    for (skew, own_thread) in [(false, false), (true, false), (true, true)] {
         let sc = Scenario {
+            own_thread,
             provider: "tcp",
             world: 4,
             nvlink: 2,

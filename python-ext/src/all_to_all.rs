@@ -87,7 +87,8 @@ impl PyAllToAll {
     #[new]
     #[pyo3(signature = (device, rank, world_size, max_num_tokens, hidden, num_experts, experts_per_token,
                         max_tokens_per_expert, dispatch_dtype, timeout, nvlink=None, private_tokens=0,
-                        provider=None, domains=Vec::new(), proxy_cpu=None, engine_options=None))]
+                        provider=None, domains=Vec::new(), proxy_cpu=None, engine_options=None,
+                        proxy_thread=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -107,6 +108,7 @@ impl PyAllToAll {
         domains: Vec<String>,
         proxy_cpu: Option<usize>,
         engine_options: Option<&Bound<'_, PyDict>>,
+        proxy_thread: bool,
     ) -> PyResult<Self> {
         let dispatch_dtype = match dispatch_dtype {
             "bf16" => DispatchDtype::Bf16,
@@ -136,7 +138,7 @@ impl PyAllToAll {
             Some(nvlink) if nvlink != world_size => {
                 let engine =
                     EngineConfig { provider: ProviderSpec { provider, domains }, ..engine_config(py, engine_options)? };
-                Some(RemoteOptions { nvlink, private_tokens, engine, proxy_cpu })
+                Some(RemoteOptions { nvlink, private_tokens, engine, proxy_cpu, own_thread: proxy_thread })
             }
             _ => None,
         };

@@ -159,7 +159,11 @@ class AllToAll:
             the destination's overflow area.
         provider: libfabric provider of the engine (default: an RDMA NIC's, else ``tcp``).
         domains: explicit engine domains (NICs or interfaces), overriding ``nets_per_gpu``.
-        proxy_cpu: CPU for the proxy thread; ``"auto"``: a core of the GPU's NUMA node (by rank).
+        proxy_cpu: CPU for the proxy's thread; ``"auto"``: a core of the GPU's NUMA node (by rank).
+        proxy: which thread runs the proxy. ``"worker"`` (default): the engine's worker, between
+            its polls of the provider; the thread that sees a kernel's signal posts the writes
+            itself. ``"thread"``: a thread of its own that hands every post to the worker (one
+            more spinning thread per rank; slower to post, docs/all_to_all_rdma.md).
         engine_options: further :class:`fabric_lib.TransferEngine` options by name (e.g.
             ``{"gpu_network": True}`` for ``shm`` of a CUDA-enabled libfabric: GPU buffers).
     """
@@ -187,6 +191,7 @@ class AllToAll:
         domains: Sequence[str] | None = None,
         proxy_cpu: int | Literal["auto"] | None = "auto",
         engine_options: Mapping[str, Any] | None = None,
+        proxy: Literal["worker", "thread"] = "worker",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise _fail("AllToAll needs an initialized torch.distributed process group")
@@ -235,6 +240,8 @@ class AllToAll:
             private_tokens = max_num_tokens
         if not isinstance(private_tokens, int) or not 0 <= private_tokens <= max_num_tokens:
             raise _fail(f"private_tokens={private_tokens!r} must be an int in [0, max_num_tokens]")
+        if proxy not in ("worker", "thread"):
+            raise _fail(f"proxy={proxy!r} must be 'worker' or 'thread'")
         if not isinstance(nets_per_gpu, int) or nets_per_gpu < 1:
             raise _fail(f"nets_per_gpu={nets_per_gpu!r} must be a positive int")
         self.nvlink = nvlink
@@ -273,6 +280,7 @@ class AllToAll:
             domain_list,
             cpu,
             dict(engine_options or {}),
+            proxy == "thread",
         )
         # shm with FI_HMEM queues its device copies on the legacy default stream: the proxy waits
         # for that stream before raising a flag, so the kernels must not run on it.

@@ -254,6 +254,19 @@ def sc_cuda_graph(layout: Layout, gen: Any) -> None:
     a2a.destroy()
 
 
+def sc_proxy_thread(layout: Layout, gen: Any) -> None:
+    """The proxy on a thread of its own (``proxy="thread"``; the engine's worker runs it by
+    default): the same results, the same writes per call."""
+    a2a = new_a2a(layout, torch.float8_e4m3fn, proxy="thread")
+    for kind in ("uniform", "skewed", "masked"):
+        round_trip(a2a, kind, MAX_TOKENS, gen)
+    dispatches, combines = a2a.proxy_stats()
+    remote = a2a.world_size - layout.nvlink
+    assert len(dispatches) == 3 and all(s["data_writes"] <= 2 * remote for s in dispatches), dispatches
+    assert all(c["writes"] == remote for c in combines), combines
+    a2a.destroy()
+
+
 def sc_default_stream(layout: Layout, gen: Any) -> None:
     """Calls on the legacy default stream: refused with a typed error (nothing launched, the
     object still usable) where shm's device copies run on that stream, a plain round trip
@@ -281,6 +294,7 @@ SCENARIOS: dict[str, Callable[[Layout, Any], None]] = {
     "consecutive": sc_consecutive,
     "cuda_graph": sc_cuda_graph,
     "default_stream": sc_default_stream,
+    "proxy_thread": sc_proxy_thread,
 }
 
 
@@ -451,7 +465,8 @@ def test_a_world_of_more_than_thirty_two_ranks() -> None:
 
 
 def test_bad_layouts_are_refused_before_anything_starts() -> None:
-    """nvlink must divide the group; private_tokens and nets_per_gpu are checked (no GPU work)."""
+    """nvlink must divide the group; private_tokens, nets_per_gpu and proxy are checked (no GPU
+    work)."""
     import torch.distributed as dist
     from fabric_lib.all_to_all import AllToAll
     from fabric_lib.errors import InvalidArgumentError
@@ -471,5 +486,7 @@ def test_bad_layouts_are_refused_before_anything_starts() -> None:
             AllToAll(**base, private_tokens=9)
         with pytest.raises(InvalidArgumentError, match="nets_per_gpu"):
             AllToAll(**base, nets_per_gpu=0)
+        with pytest.raises(InvalidArgumentError, match="proxy"):
+            AllToAll(**base, nvlink=1, proxy="elsewhere")  # type: ignore[arg-type]
     finally:
         dist.destroy_process_group()

@@ -96,6 +96,7 @@ pub struct TransferEngine {
     probe: Arc<LatencyProbe>,
     /// The peers requests name, by id (shared with the worker).
     pub(crate) peers: Arc<PeerTable>,
+    pub(crate) next_task: AtomicU64,
 }
 
 impl TransferEngine {
@@ -105,10 +106,11 @@ impl TransferEngine {
         let imm = Arc::new(ImmCounterTable::with_wait_spin(config.wait_spin()));
         let probe = Arc::new(LatencyProbe::default());
         let peers = Arc::new(PeerTable::default());
+        let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         let callbacks = CallbackThread::spawn(config.wait_spin())
             .map_err(|e| FabricError::InvalidArgument(format!("cannot spawn the callback thread: {e}")))?;
         let worker::Spawned { commands, leftovers, handle, info } =
-            match worker::spawn(&config, imm.clone(), callbacks.queue(), probe.clone(), peers.clone()) {
+            match worker::spawn(&config, imm.clone(), callbacks.queue(), probe.clone(), peers.clone(), id) {
                 Ok(started) => started,
                 Err(e) => {
                     callbacks.shutdown(Duration::from_secs(1));
@@ -134,7 +136,8 @@ impl TransferEngine {
         };
         Ok(TransferEngine {
             config,
-            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
+            id,
+            next_task: AtomicU64::new(1),
             address,
             domain_names: info.domains.into_iter().map(|(name, _, _)| name).collect(),
             commands,
@@ -246,6 +249,8 @@ impl TransferEngine {
         }
         // Before the send: the worker may take the command before send_timeout returns.
         self.probe.mark(Stage::Enqueued);
+        // From a task on this engine's worker: handled here and now (see `tasks`).
+        let Some(cmd) = worker::handle_inline(self.id, cmd) else { return Ok(()) };
         // A queue with room (the usual case) takes the command without reading the clock.
         let cmd = match self.commands.try_send(cmd) {
             Ok(()) => None,
@@ -347,8 +352,11 @@ mod reads;
 mod routing;
 mod scatter;
 mod signals;
+mod tasks;
 mod triggers;
 mod writes;
 
 pub use prepared::PreparedScatter;
+pub(crate) use tasks::unknown_task;
+pub use tasks::{TaskId, WorkerTask};
 pub use triggers::Trigger;

@@ -91,7 +91,6 @@ impl Worker {
 
     /// Posts a triggered request as if it had just arrived from the engine.
     fn fire(&mut self, request: Command) {
-        self.probe.mark(crate::latency_probe::Stage::Dequeued);
         let handled = self.handle(request);
         debug_assert!(handled, "an armed request is never a Stop");
     }

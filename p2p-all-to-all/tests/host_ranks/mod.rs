@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use fabric_lib::{EngineConfig, FabricError, MemoryKind, MrDescriptor, PollMode, ProviderSpec, TransferEngine};
 use p2p_all_to_all::proxy::{
-    CombineSample, DispatchSample, LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig,
+    CombineSample, DispatchSample, LocalRegions, PeerRegions, PlacementFence, Proxy, ProxyConfig, ProxyRunner,
 };
 use p2p_all_to_all::proxy_block::BlockLayout;
 use p2p_all_to_all::remote::{
@@ -141,10 +141,14 @@ pub struct Scenario {
     pub fence: bool,
     /// Private writes as one scatter (else one write per remote rank).
     pub scatter: bool,
-    /// CPU of each rank's proxy thread (by rank), if pinned.
+    /// CPU of each rank's proxy thread (by rank), if pinned: the engine's worker, unless
+    /// `own_thread`.
     pub proxy_cpus: Option<Vec<usize>>,
-    /// How long an idle proxy spins before it sleeps between polls (default 1 ms: the tests
-    /// leave the CPUs to the other ranks).
+    /// The proxy on a thread of its own (`ProxyRunner::OwnThread`) rather than on the engine's
+    /// worker.
+    pub own_thread: bool,
+    /// How long an idle proxy thread of its own spins before it sleeps between polls (default
+    /// 1 ms: the tests leave the CPUs to the other ranks).
     pub proxy_idle_spin: Option<Duration>,
     /// Engine workers poll busily (else adaptively: they sleep after 200 µs idle, and a
     /// request to a sleeping worker wakes it first).
@@ -152,8 +156,8 @@ pub struct Scenario {
     /// `ProxyConfig::eager_targets`.
     pub eager_targets: usize,
     /// Rank 0's stand-in kernels, proxy and engine worker each pinned to their own CPU (these
-    /// three, in that order), ahead of `proxy_cpus`: a rank measured on cores nobody else uses.
-    /// Its worker polls busily.
+    /// three, in that order; the proxy's is unused where the worker runs it), ahead of
+    /// `proxy_cpus`: a rank measured on cores nobody else uses. Its worker polls busily.
     pub measured_cpus: Option<[usize; 3]>,
     /// Log every command's first post in each rank's engine (`LatencyProbe::enable_post_log`).
     pub post_log: bool,
@@ -230,12 +234,13 @@ fn rank(
     }
     // The measured rank's worker has a core of its own: it polls busily, as a deployment's would.
     let busy = sc.busy_workers || measured.is_some();
-    let engine = Arc::new(engine(sc.provider, busy, measured.map(|c| c[2])).unwrap());
-    if sc.post_log {
-        // Room for every command of every call: a count message, two data requests, overflow
-        // writes and two combine requests per remote rank at most.
-        engine.latency_probe().enable_post_log(sc.calls as usize * (4 + 2 * sc.world));
-    }
+    let proxy_cpu = measured.map(|c| c[1]).or_else(|| sc.proxy_cpus.as_ref().map(|c| c[me]));
+    let worker_cpu = match (measured, sc.own_thread) {
+        (Some(c), _) => Some(c[2]),
+        (None, false) => proxy_cpu,
+        (None, true) => None,
+    };
+    let engine = Arc::new(engine(sc.provider, busy, worker_cpu).unwrap());
     let reg = |b: &mut HostBuf| {
         // SAFETY: every buffer outlives the engine (the proxy, which holds it, is dropped first).
         unsafe { engine.register_memory(b.ptr(), b.len(), MemoryKind::Host) }.unwrap()
@@ -262,13 +267,22 @@ fn rank(
         rank: me,
         topo,
         layout: lay,
-        cpu: measured.map(|c| c[1]).or_else(|| sc.proxy_cpus.as_ref().map(|c| c[me])),
-        idle_spin: sc.proxy_idle_spin.unwrap_or(Duration::from_millis(1)),
+        runner: if sc.own_thread {
+            ProxyRunner::OwnThread { cpu: proxy_cpu, idle_spin: sc.proxy_idle_spin.unwrap_or(Duration::from_millis(1)) }
+        } else {
+            ProxyRunner::EngineWorker
+        },
         scatter_data: sc.scatter,
         placement_fence,
         eager_targets: sc.eager_targets,
     };
     let local = LocalRegions { block_ptr: block.ptr(), block: block_h, dsend: dsend_h, csend: csend_h };
+    if sc.post_log {
+        // Room for every command of every call: a count message, two data requests, overflow
+        // writes and two combine requests per remote rank at most. Started here: the proxy's
+        // requests are then the log's commands 0, 1, ... (`FirstWrite::request`).
+        engine.latency_probe().enable_post_log(sc.calls as usize * (4 + 2 * sc.world));
+    }
     let mut proxy = Some(Proxy::start(engine.clone(), cfg, local, peers).unwrap());
     drop(engine);
     let q = lay.private_tokens;
