@@ -66,9 +66,15 @@ pub struct LocalRegions {
 // the proxy before freeing it); every access goes through atomics.
 unsafe impl Send for LocalRegions {}
 
-/// Waits until bytes whose immediates were counted are in place (see
-/// [`ProxyConfig::placement_fence`]).
-pub type PlacementFence = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+/// Tells when bytes whose immediates were counted are in place (see
+/// [`ProxyConfig::placement_fence`]), without blocking: the proxy may run on the engine's
+/// worker, which must not wait.
+pub trait PlacementFence: Send + Sync {
+    /// Marks the work queued until now; returns the mark's ticket.
+    fn mark(&self) -> Result<u64, String>;
+    /// Whether the work before mark `ticket` completed.
+    fn passed(&self, ticket: u64) -> Result<bool, String>;
+}
 
 /// Which thread runs the proxy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,10 +98,11 @@ pub struct ProxyConfig {
     /// Post the private writes of a dispatch, and a combine's writes, as one scatter (one
     /// request for every remote rank) rather than one write each.
     pub scatter_data: bool,
-    /// Called before raising a receive flag, where a counted immediate does not yet mean the
-    /// bytes are in place: `shm` with FI_HMEM counts it while the device copy is still queued
-    /// on the receiver's legacy default stream. None elsewhere (RDMA NICs place the bytes first).
-    pub placement_fence: Option<PlacementFence>,
+    /// Where a counted immediate does not yet mean the bytes are in place (`shm` with FI_HMEM
+    /// counts it while the device copy is still queued on the receiver's legacy default
+    /// stream): a receive flag then goes up once the work queued before its arrivals were
+    /// taken completed. None elsewhere (RDMA NICs place the bytes first).
+    pub placement_fence: Option<Arc<dyn PlacementFence>>,
     /// A scatter to more targets than this hands its first `eager_targets` to the engine as a
     /// request of their own, then the rest: the first writes leave while the others are
     /// planned. 0: every scatter is one request.
@@ -326,7 +333,14 @@ struct State {
     failed_seen: u64,
     /// Requests submitted to the engine so far (`FirstWrite::request`).
     submitted: std::cell::Cell<u64>,
+    /// With a placement fence: flag writes (offset in the block, value) waiting for their mark,
+    /// in order, and this pass's mark (one covers every arrival counted before it).
+    fenced: std::collections::VecDeque<(u64, FlagWrites)>,
+    pass_mark: Option<u64>,
 }
+
+/// The words one flag raise stores, the flag itself last.
+type FlagWrites = smallvec::SmallVec<[(usize, u64); 2]>;
 
 /// The call that handed a post's first targets to the engine.
 #[derive(Debug, Clone, Copy)]
@@ -452,6 +466,8 @@ impl State {
             progressed: true,
             failed_seen: 0,
             submitted: std::cell::Cell::new(0),
+            fenced: std::collections::VecDeque::new(),
+            pass_mark: None,
             cfg,
         })
     }
@@ -496,6 +512,10 @@ impl State {
             self.polled_generation = generation;
         }
         let mut progressed = false;
+        self.pass_mark = None;
+        if !self.fenced.is_empty() {
+            progressed |= self.release_fenced();
+        }
         if !self.shared.failed.load(Ordering::Acquire) {
             // Combine first: its `cdone` names the dispatch whose counts it uses.
             progressed |= self.combine_step();
@@ -535,15 +555,55 @@ impl State {
         self.poll_arrivals && self.engine.try_take_imm_count(imm, n)
     }
 
-    /// Runs the placement fence (if any); false after recording its failure.
-    fn placed(&self) -> bool {
-        match self.cfg.placement_fence.as_ref().map(|f| f()) {
-            Some(Err(e)) => {
-                self.fail(format!("waiting for received bytes to be in place: {e}"));
-                false
-            }
-            _ => true,
+    /// Raises a flag: stores `writes` (the flag last) now, or with a placement fence once the
+    /// work queued before this pass's mark completed (flags keep their order); false after
+    /// recording a failure of the fence.
+    fn raise(&mut self, writes: FlagWrites) -> bool {
+        let Some(fence) = self.cfg.placement_fence.clone() else {
+            self.store(&writes);
+            return true;
+        };
+        let ticket = match self.pass_mark {
+            Some(t) => t,
+            None => match fence.mark() {
+                Ok(t) => *self.pass_mark.insert(t),
+                Err(e) => {
+                    self.fail(format!("marking received bytes to wait for: {e}"));
+                    return false;
+                }
+            },
+        };
+        self.fenced.push_back((ticket, writes));
+        self.release_fenced();
+        true
+    }
+
+    fn store(&self, writes: &[(usize, u64)]) {
+        for &(off, value) in writes {
+            self.u64_at(off).store(value, Ordering::Release);
         }
+    }
+
+    /// Stores the fenced flag writes whose mark passed; true if any.
+    fn release_fenced(&mut self) -> bool {
+        let Some(fence) = self.cfg.placement_fence.clone() else { return false };
+        let mut released = false;
+        while let Some(&(ticket, _)) = self.fenced.front() {
+            match fence.passed(ticket) {
+                Ok(true) => {
+                    let (_, writes) = self.fenced.pop_front().expect("front exists");
+                    self.store(&writes);
+                    released = true;
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    self.fail(format!("waiting for received bytes to be in place: {e}"));
+                    self.fenced.clear();
+                    break;
+                }
+            }
+        }
+        released
     }
 
     fn write(&self, src: MrHandle, src_offset: usize, len: usize, dst: &MrDescriptor, dst_offset: usize, imm: u32) {
@@ -779,12 +839,14 @@ impl State {
                 if expect > 0 && !self.take(imm(ImmKind::DispatchData, n as u32, s), expect) {
                     continue;
                 }
-                if expect > 0 && !self.placed() {
+                let off = overflow_offset(&self.counts[p], &self.cfg.topo, q, s, me);
+                let writes = smallvec::smallvec![
+                    (self.block.rovf_at(p, s), off as u64),
+                    (self.block.rflag_at(p, s), (n << 32) | records as u64)
+                ];
+                if !self.raise(writes) {
                     return true;
                 }
-                let off = overflow_offset(&self.counts[p], &self.cfg.topo, q, s, me);
-                self.u64_at(self.block.rovf_at(p, s)).store(off as u64, Ordering::Relaxed);
-                self.u64_at(self.block.rflag_at(p, s)).store((n << 32) | records as u64, Ordering::Release);
                 self.dispatch.flagged[s] = true;
                 progressed = true;
             }
@@ -858,10 +920,9 @@ impl State {
         for i in 0..self.remote.len() {
             let d = self.remote[i];
             if !self.combine.got[d] && self.take(imm(ImmKind::Combine, cn as u32, d), 1) {
-                if !self.placed() {
+                if !self.raise(smallvec::smallvec![(self.block.crflag_at(d), cn << 32)]) {
                     return true;
                 }
-                self.u64_at(self.block.crflag_at(d)).store(cn << 32, Ordering::Release);
                 self.combine.got[d] = true;
                 progressed = true;
             }

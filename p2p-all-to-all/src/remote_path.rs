@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuda_lib::{Context, DeviceBuffer, PinnedHostBuffer};
+use cuda_lib::{Context, DeviceBuffer, Event, PinnedHostBuffer};
 use fabric_lib::{
     CompletionCounter, DomainChoice, EngineConfig, MemoryKind, MrDescriptor, MrHandle, TransferEngine, WriteRequest,
 };
@@ -80,6 +80,59 @@ impl Buffer {
     }
 }
 
+/// The placement fence of `shm` with GPU buffers: marks are events recorded on the legacy
+/// default stream, where shm queues its device copies (they complete in order).
+struct LegacyStreamFence {
+    ctx: Arc<Context>,
+    state: parking_lot::Mutex<FenceEvents>,
+}
+
+#[derive(Default)]
+struct FenceEvents {
+    /// Recorded and not yet seen complete, oldest first, with their tickets.
+    pending: std::collections::VecDeque<(u64, Event)>,
+    /// Completed events, recorded again by later marks.
+    spare: Vec<Event>,
+    next: u64,
+    /// Every ticket below this one passed.
+    passed_below: u64,
+}
+
+impl LegacyStreamFence {
+    fn new(ctx: Arc<Context>) -> Self {
+        LegacyStreamFence { ctx, state: Default::default() }
+    }
+}
+
+impl PlacementFence for LegacyStreamFence {
+    fn mark(&self) -> std::result::Result<u64, String> {
+        let mut st = self.state.lock();
+        let event = match st.spare.pop() {
+            Some(e) => e,
+            None => Event::new(&self.ctx, false).map_err(|e| e.to_string())?,
+        };
+        event.record_on_legacy_stream().map_err(|e| e.to_string())?;
+        let ticket = st.next;
+        st.next += 1;
+        st.pending.push_back((ticket, event));
+        Ok(ticket)
+    }
+
+    fn passed(&self, ticket: u64) -> std::result::Result<bool, String> {
+        let mut st = self.state.lock();
+        while ticket >= st.passed_below {
+            let Some((t, event)) = st.pending.front() else { break };
+            if !event.is_complete().map_err(|e| e.to_string())? {
+                break;
+            }
+            st.passed_below = t + 1;
+            let (_, event) = st.pending.pop_front().expect("front exists");
+            st.spare.push(event);
+        }
+        Ok(ticket < st.passed_below)
+    }
+}
+
 const REGIONS_MAGIC: &[u8; 4] = b"A2AR";
 
 /// How long a proxy on a thread of its own spins after its last work before it sleeps 20 µs
@@ -96,7 +149,7 @@ pub struct RemotePath {
     pub block: BlockLayout,
     rank: usize,
     runner: ProxyRunner,
-    placement_fence: Option<PlacementFence>,
+    placement_fence: Option<Arc<dyn PlacementFence>>,
     // Dropped in this order: the proxy (joins its thread), the engine, then the memory.
     proxy: Option<Proxy>,
     engine: Arc<TransferEngine>,
@@ -169,12 +222,10 @@ impl RemotePath {
             bufs[CRECV].register(&engine, device)?,
         ];
         // shm's device copies run on the legacy default stream and may still be queued when
-        // their immediate is counted (docs/gpu.md): the proxy waits for that stream (which the
-        // kernels, on a non-blocking stream, are not on) before raising a flag.
-        let placement_fence: Option<PlacementFence> = (gpu && engine.provider().starts_with("shm")).then(|| {
-            let ctx = ctx.clone();
-            Arc::new(move || ctx.synchronize_legacy_stream().map_err(|e| e.to_string())) as PlacementFence
-        });
+        // their immediate is counted (docs/gpu.md): the proxy raises a flag once an event it
+        // recorded there (the kernels, on a non-blocking stream, are not on it) completed.
+        let placement_fence = (gpu && engine.provider().starts_with("shm"))
+            .then(|| Arc::new(LegacyStreamFence::new(ctx.clone())) as Arc<dyn PlacementFence>);
         Ok(RemotePath {
             topo,
             layout,

@@ -283,7 +283,7 @@ class AllToAll:
             proxy == "thread",
         )
         # shm with FI_HMEM queues its device copies on the legacy default stream: the proxy waits
-        # for that stream before raising a flag, so the kernels must not run on it.
+        # for an event recorded there before raising a flag, so the kernels must not run on it.
         self._side_stream_only = bool(self._native.remote_gpu_buffers) and (provider or "").startswith("shm")
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, self._native.export_handle(), group=self.group)

@@ -137,7 +137,7 @@ pub struct Scenario {
     pub skew: bool,
     /// This rank stops (drops its proxy and engine) before this call.
     pub dies: Option<(usize, u64)>,
-    /// Install a placement fence that counts its calls (it must run before flags with data).
+    /// Install a placement fence that holds every flag back one pass (`SlowFence`).
     pub fence: bool,
     /// Private writes as one scatter (else one write per remote rank).
     pub scatter: bool,
@@ -161,6 +161,24 @@ pub struct Scenario {
     pub measured_cpus: Option<[usize; 3]>,
     /// Log every command's first post in each rank's engine (`LatencyProbe::enable_post_log`).
     pub post_log: bool,
+}
+
+/// A placement fence whose every mark passes only the second time it is asked about: each flag
+/// behind it stays down for at least one more pass of the proxy.
+#[derive(Default)]
+pub struct SlowFence {
+    marks: AtomicU64,
+    asked: Mutex<std::collections::HashSet<u64>>,
+}
+
+impl PlacementFence for SlowFence {
+    fn mark(&self) -> Result<u64, String> {
+        Ok(self.marks.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn passed(&self, ticket: u64) -> Result<bool, String> {
+        Ok(!self.asked.lock().unwrap().insert(ticket))
+    }
 }
 
 /// When this rank's stand-in kernels raised the proxy block's words, per call.
@@ -255,14 +273,8 @@ fn rank(
         Some(PeerRegions { block: desc(&block_d), drecv: desc(&drecv_d), crecv: desc(&crecv_d) });
     barrier.wait();
     let peers: Vec<PeerRegions> = regions.lock().unwrap().iter().map(|r| r.clone().unwrap()).collect();
-    let fences = Arc::new(AtomicU64::new(0));
-    let placement_fence: Option<PlacementFence> = sc.fence.then(|| {
-        let fences = fences.clone();
-        Arc::new(move || {
-            fences.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }) as PlacementFence
-    });
+    let fence = Arc::new(SlowFence::default());
+    let placement_fence = sc.fence.then(|| fence.clone() as Arc<dyn PlacementFence>);
     let cfg = ProxyConfig {
         rank: me,
         topo,
@@ -359,6 +371,12 @@ fn rank(
             }
         }
         let proxy = proxy.as_ref().unwrap();
+        // The proxy counts a call done (and keeps its sample) just after raising its last flag:
+        // give it that moment.
+        let start = Instant::now();
+        while proxy.calls_done() != (sc.calls, sc.calls) && start.elapsed() < WAIT {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         // Exactly once: nothing left over (a duplicate would be counted and never taken).
         let e = proxy.engine();
         for &s in &remote {
@@ -380,7 +398,8 @@ fn rank(
         assert_eq!(proxy.calls_done(), (sc.calls, sc.calls));
         if sc.fence {
             // At least once per combine from every remote rank, and per source with records.
-            assert!(fences.load(Ordering::Relaxed) >= sc.calls * remote.len() as u64);
+            // Every call's dispatch and combine flags wait for a mark of their own.
+            assert!(fence.marks.load(Ordering::Relaxed) >= 2 * sc.calls);
         }
         let post_log = e.latency_probe().take_post_log();
         Ok(RankOutcome {

@@ -41,6 +41,15 @@ impl Event {
         unsafe { cu!(cuEventRecord(self.raw, stream.raw())) }
     }
 
+    /// Records the event at the current end of the context's legacy default stream (work a
+    /// library queued there, e.g. libfabric's `shm` device copies).
+    pub fn record_on_legacy_stream(&self) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: `raw` is live; CU_STREAM_LEGACY is the documented handle (0x1) of the
+        // current context's legacy default stream.
+        unsafe { cu!(cuEventRecord(self.raw, 0x1 as sys::CUstream)) }
+    }
+
     /// Blocks until the recorded work completed.
     pub fn synchronize(&self) -> Result<()> {
         let _cur = self.ctx.enter()?;
