@@ -379,17 +379,15 @@ __device__ __forceinline__ bool wait_words(const A2ACommon& c, const uint64_t* p
 }
 
 // Keys of wait_host_flag (a remote rank's count flag and records flag in dispatch, its rows flag
-// in combine: each key names one flag of the proxy block) and the kind of wait (part of a
-// poller's tag).
+// in combine: each key names one flag of the proxy block, so dispatch and combine calls never
+// share one).
 #define A2A_HOST_KEY_COUNTS 0
 #define A2A_HOST_KEY_RECORDS A2A_MAX_PEERS
 #define A2A_HOST_KEY_ROWS (2 * A2A_MAX_PEERS)
 #define A2A_HOST_KEYS (3 * A2A_MAX_PEERS)  // HOST_WAIT_KEYS in src/layout.rs
-#define A2A_HOST_WAIT_DISPATCH 1u
-#define A2A_HOST_WAIT_COMBINE 2u
 
 // The device-memory copy of one proxy flag: the value its poller last saw, and the poller's tag
-// (call and kind) so that one thread of the grid polls per call.
+// (its call) so that one thread of the grid polls per call.
 struct HostWait {
     uint64_t seen;
     uint32_t tag;
@@ -407,11 +405,11 @@ struct HostWait {
 // taken for this one. Any thread may call it, in any subset of a warp; where a whole warp waits
 // for one flag, one lane should (then __syncwarp: see wait_words). Returns 0 on a timeout.
 __device__ __forceinline__ uint64_t wait_host_flag(const A2ACommon& c, const uint64_t* flag, uint32_t key,
-                                                   uint32_t want, uint32_t kind) {
+                                                   uint32_t want) {
     HostWait* hw = reinterpret_cast<HostWait*>(state_at(c, c.st_host_wait)) + key;
     uint64_t v = ld_acquire_sys(&hw->seen);
     if (seq_reached(v, want)) return v;
-    const uint32_t tag = want * 4u + kind;
+    const uint32_t tag = want * 2u + 1u;  // never 0, the state's initial value
     const uint32_t prev = *reinterpret_cast<volatile uint32_t*>(&hw->tag);
     if (prev != tag && atomicCAS(&hw->tag, prev, tag) == prev) {
         v = wait_flag(c, flag, want, 1024);  // 0: timed out (the object is poisoned)

@@ -324,11 +324,11 @@ __device__ __forceinline__ void combine_recv_items(const A2ACombineRecvArgs& a, 
         const auto nvlink = [&](uint32_t d) { return d < c.world && ((mask >> d) & 1ull) && is_nvlink<R>(c, d); };
         bool far = true, up_lo = false, up_hi = false;
         if (remote(lane)) {
-            up_lo = wait_host_flag(c, flag_of(lane), A2A_HOST_KEY_ROWS + lane, n, A2A_HOST_WAIT_COMBINE) != 0;
+            up_lo = wait_host_flag(c, flag_of(lane), A2A_HOST_KEY_ROWS + lane, n) != 0;
             far = up_lo;
         }
         if (c.world > 32 && remote(lane + 32)) {
-            up_hi = wait_host_flag(c, flag_of(lane + 32), A2A_HOST_KEY_ROWS + lane + 32, n, A2A_HOST_WAIT_COMBINE) != 0;
+            up_hi = wait_host_flag(c, flag_of(lane + 32), A2A_HOST_KEY_ROWS + lane + 32, n) != 0;
             far = up_hi && far;
         }
         far_ready |= (uint64_t)__ballot_sync(0xffffffffu, up_lo) | ((uint64_t)__ballot_sync(0xffffffffu, up_hi) << 32);

@@ -462,8 +462,7 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
         // the proxy once every count message is in.
         const uint64_t v = is_nvlink<R>(c, s)
                                ? wait_flag(c, mine.dcf + s, n)
-                               : wait_host_flag(c, blk_u64(c, c.blk_rcf) + par * W + s, A2A_HOST_KEY_COUNTS + s, n,
-                                                A2A_HOST_WAIT_DISPATCH);
+                               : wait_host_flag(c, blk_u64(c, c.blk_rcf) + par * W + s, A2A_HOST_KEY_COUNTS + s, n);
         s_ok[s] = v != 0;
         s_T[s] = v != 0 ? min((uint32_t)(v & 0xffffffffu), (uint32_t)c.max_tokens) : 0;
         if (blockIdx.x == 0) reinterpret_cast<uint32_t*>(state_at(c, c.st_recv_tokens))[s] = s_T[s];
@@ -609,7 +608,7 @@ __device__ __forceinline__ void dispatch_recv_body(const A2ADispatchRecvArgs& a,
             uint64_t v = 0;
             if (lane == 0) {
                 const uint64_t* rflag = blk_u64(c, c.blk_rflag) + par * W + s;
-                v = wait_host_flag(c, rflag, A2A_HOST_KEY_RECORDS + s, n, A2A_HOST_WAIT_DISPATCH);
+                v = wait_host_flag(c, rflag, A2A_HOST_KEY_RECORDS + s, n);
             }
             v = __shfl_sync(0xffffffffu, v, 0);
             __syncwarp();
