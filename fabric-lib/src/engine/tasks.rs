@@ -16,7 +16,8 @@ use crate::error::{FabricError, Result};
 ///
 /// `poll` must return quickly and never block: the engine moves nothing while it runs. Requests
 /// it submits to the engine that runs it are posted before the call returns to it; waiting for
-/// their completion from `poll` would wait forever (the worker completes them between polls).
+/// their completion from `poll` would wait forever (the worker completes them between polls),
+/// and so would `stop()` of that engine (it waits for the worker, up to the command timeout).
 pub trait WorkerTask: Send + 'static {
     /// One poll; returns whether it did anything (the worker's idle accounting counts it as
     /// activity).
