@@ -171,7 +171,7 @@ impl AllToAll {
     }
 
     /// [`AllToAll::new`] where ranks outside this rank's NVLink domain (`remote.nvlink`
-    /// consecutive ranks) are reached through a TransferEngine and a proxy thread.
+    /// consecutive ranks) are reached through a TransferEngine and its CPU proxy.
     pub fn with_remote(device: usize, cfg: Config, remote: Option<RemoteOptions>) -> Result<Self> {
         cfg.validate()?;
         let topo = Topology::new(cfg.world_size, remote.as_ref().map_or(cfg.world_size, |r| r.nvlink))?;

@@ -1,7 +1,7 @@
 //! One rank's RDMA half: its TransferEngine, the proxy block, the remote-traffic buffers
 //! (GPU memory registered with the NIC where the engine's provider has FI_HMEM, else mapped
 //! pinned host memory that the kernels read and write directly), their registrations, and the
-//! proxy thread once every rank's regions are known.
+//! proxy (on the engine's worker, or a thread of its own) once every rank's regions are known.
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -25,8 +25,8 @@ before each dispatch (one synchronization; skipped during graph capture).
 
 Ranks are grouped into NVLink domains of ``nvlink`` consecutive ranks (default: the whole group,
 which must then be on one host with peer-to-peer access). Ranks of other domains are reached
-through this rank's TransferEngine (``nets_per_gpu`` NICs) by a CPU proxy thread that follows the
-kernels; the call sequence is the same (docs/all_to_all_rdma.md). A group has at most 64 ranks.
+through this rank's TransferEngine (``nets_per_gpu`` NICs) by a CPU proxy, run by the engine's
+worker thread, that follows the kernels; the call sequence is the same (docs/all_to_all_rdma.md). A group has at most 64 ranks.
 """
 
 from __future__ import annotations
