@@ -559,7 +559,7 @@ impl State {
     /// work queued before this pass's mark completed (flags keep their order); false after
     /// recording a failure of the fence.
     fn raise(&mut self, writes: FlagWrites) -> bool {
-        let Some(fence) = self.cfg.placement_fence.clone() else {
+        let Some(fence) = self.cfg.placement_fence.as_ref() else {
             self.store(&writes);
             return true;
         };
@@ -586,7 +586,7 @@ impl State {
 
     /// Stores the fenced flag writes whose mark passed; true if any.
     fn release_fenced(&mut self) -> bool {
-        let Some(fence) = self.cfg.placement_fence.clone() else { return false };
+        let Some(fence) = self.cfg.placement_fence.as_ref() else { return false };
         let mut released = false;
         while let Some(&(ticket, _)) = self.fenced.front() {
             match fence.passed(ticket) {

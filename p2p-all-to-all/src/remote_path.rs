@@ -190,12 +190,10 @@ impl RemotePath {
         // The rank's GPU: the provider's CUDA work (shm's device copies) runs there.
         let cuda_device = opts.engine.cuda_device.or(Some(device as u32));
         // Where the worker runs the proxy (`ProxyRunner::EngineWorker`) it is the proxy's thread.
-        let worker_cpu =
-            if opts.own_thread { opts.engine.worker_cpu } else { opts.engine.worker_cpu.or(opts.proxy_cpu) };
-        let runner = if opts.own_thread {
-            ProxyRunner::OwnThread { cpu: opts.proxy_cpu, idle_spin: OWN_THREAD_IDLE_SPIN }
+        let (runner, worker_cpu) = if opts.own_thread {
+            (ProxyRunner::OwnThread { cpu: opts.proxy_cpu, idle_spin: OWN_THREAD_IDLE_SPIN }, opts.engine.worker_cpu)
         } else {
-            ProxyRunner::EngineWorker
+            (ProxyRunner::EngineWorker, opts.engine.worker_cpu.or(opts.proxy_cpu))
         };
         let engine = Arc::new(TransferEngine::new(EngineConfig {
             force_network: true,

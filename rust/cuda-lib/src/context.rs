@@ -81,16 +81,6 @@ impl Context {
         unsafe { cu!(cuCtxSynchronize()) }
     }
 
-    /// Waits for the work queued on this context's legacy default stream (and what it waits
-    /// for: blocking streams), not for non-blocking streams: e.g. device copies a library
-    /// queued there and reported done early (libfabric's `shm` with FI_HMEM).
-    pub fn synchronize_legacy_stream(&self) -> Result<()> {
-        let _cur = self.enter()?;
-        // SAFETY: the context is current on this thread; CU_STREAM_LEGACY is the documented
-        // handle (0x1) of its legacy default stream.
-        unsafe { cu!(cuStreamSynchronize(0x1 as sys::CUstream)) }
-    }
-
     /// Lets kernels and copies in this context access memory allocated by `cuMemAlloc` in
     /// `peer`'s context (VMM allocations use [`crate::VmmAllocation::grant_access`] instead).
     /// Already enabled counts as success.
